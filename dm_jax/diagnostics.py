@@ -1,0 +1,87 @@
+"""Diagnostics that show stale delta versus Delta-Matching: dS row sums, channel gains."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax.numpy as jnp
+
+from dm_jax.attention import AttentionConfig, _check_inputs, default_implementation
+from dm_jax.backends import get_backend
+from pallas_kernels.fp8_attention.config import default_block_sizes
+
+
+def row_sum_residuals(
+    q,
+    k,
+    v,
+    do,
+    *,
+    causal: bool = False,
+    delta: str = "matched",
+    precision: str = "fp8",
+    scale: Optional[float] = None,
+    segment_ids=None,
+    implementation: Optional[str] = None,
+    block_sizes=None,
+):
+    """Normalized dS row sums ``|sum_j dS_ij| / sum_j |dS_ij|`` of one attention call.
+
+    Runs the forward and the backward of :func:`dm_jax.attention` (same arguments) under the
+    cotangent ``do`` [B, T, Hq, Dv] and reads the row statistics of dS.
+
+    Returns:
+      dict with ``pre_cast`` (dS in FP32, before its cast to FP8) and ``post_cast``
+      (the decoded FP8 dS the dQ/dK matmuls use), each [B, Hq, T] float32. Rows whose dS
+      is all zero (fully masked) report 0.
+    """
+    q_ids, kv_ids = _check_inputs(q, k, v, delta, precision, scale, segment_ids, implementation)
+    if do.shape != q.shape[:3] + v.shape[3:]:
+        raise ValueError(f"do: expected shape {q.shape[:3] + v.shape[3:]}, got {do.shape}")
+    config = AttentionConfig(
+        causal=bool(causal),
+        delta=delta,
+        precision=precision,
+        sm_scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+        implementation=implementation or default_implementation(),
+        block_sizes=block_sizes or default_block_sizes(q.shape[-1], v.shape[-1]),
+    )
+    backend = get_backend(config.implementation)
+    backend.check_supported(q, k, v, config)
+    out, lse = backend.forward(q, k, v, q_ids, kv_ids, config=config)
+    res = backend.backward(q, k, v, out, lse, do.astype(out.dtype), q_ids, kv_ids, config=config)
+
+    def ratio(row_sum, abs_sum):
+        return jnp.abs(row_sum) / jnp.where(abs_sum == 0, 1.0, abs_sum)
+
+    return {
+        "pre_cast": ratio(res.ds_rowsum_pre, res.ds_abssum_pre),
+        "post_cast": ratio(res.ds_rowsum_post, res.ds_abssum_post),
+    }
+
+
+def gain_statistics(g_q, g_k, *, top: int = 4):
+    """Channel-gain concentration of one QK-RMSNorm pair.
+
+    Args:
+      g_q, g_k: [D] query and key RMSNorm gains of one attention layer.
+    Returns:
+      dict: ``product`` [D] = g_q * g_k; ``max_gain`` = max(|g_q|, |g_k|);
+      ``max_product`` = max |g_q g_k|; ``top_channels`` [top] indices of the largest
+      |g_q g_k|; ``top1_share`` / ``top4_share``: the share of sum_c (g_q,c g_k,c)^2
+      held by the largest 1 / 4 channels.
+    """
+    g_q = jnp.asarray(g_q, jnp.float32)
+    g_k = jnp.asarray(g_k, jnp.float32)
+    if g_q.ndim != 1 or g_q.shape != g_k.shape:
+        raise ValueError(f"g_q, g_k: expected two vectors of one length, got {g_q.shape}, {g_k.shape}")
+    product = g_q * g_k
+    energy = jnp.sort(product**2)[::-1]
+    total = jnp.maximum(jnp.sum(energy), jnp.finfo(jnp.float32).tiny)
+    return {
+        "product": product,
+        "max_gain": jnp.maximum(jnp.max(jnp.abs(g_q)), jnp.max(jnp.abs(g_k))),
+        "max_product": jnp.max(jnp.abs(product)),
+        "top_channels": jnp.argsort(-jnp.abs(product))[:top],
+        "top1_share": energy[0] / total,
+        "top4_share": jnp.sum(energy[:4]) / total,
+    }

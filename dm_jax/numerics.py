@@ -1,0 +1,137 @@
+"""FP8 formats and scale rules: the single definition both kernels and reference use.
+
+Contract (DESIGN.md section 3):
+  * every FP8 operand is ``float8_e4m3fn``; accumulation is FP32;
+  * scales are powers of two, ``scale = 2^floor(log2(448 / amax))``, ``amax == 0 -> 1``,
+    so ``x * scale`` never exceeds 448 and decoding (``x8 / scale``) is exact;
+  * values are clipped to +-448 before every cast (the GPU saturates, interpret mode and
+    XLA on the CPU would produce NaN);
+  * NaN and Inf propagate: ``amax`` ignores non-finite values (one bad element must not
+    poison the scale of its whole block), and a non-finite element encodes as NaN;
+  * Q, K, V, dO: one scale per (batch, head, block of ``SCALE_BLOCK`` tokens);
+  * P: fixed scale ``P_SCALE`` (P lies in [0, 1]); dS: one dynamic scale per kernel tile.
+
+Every function here is written with plain ``jnp``/``lax`` element-wise ops and reductions so
+that Pallas kernels can call the same code on their tiles.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_BLOCK = 128  # tokens per Q/K/V/dO scale block
+P_SCALE = 256.0  # fixed scale of the probabilities, P * 256 <= 256 < 448
+PRECISIONS = ("fp8", "bf16")
+
+# f32 bit layout used to take floor(log2(.)) exactly (no transcendental rounding).
+_MANTISSA_BITS = 23
+_EXPONENT_BIAS = 127
+_MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
+# 448 = 1.75 * 2^8: mantissa field of 1.75.
+_MANTISSA_OF_1_75 = 0x600000
+_MAX_SCALE_EXPONENT = 126  # keep both scale and 1/scale normal f32 numbers
+
+
+def finite_amax(x, axis=None, keepdims=False):
+    """max |x| over ``axis`` in f32, ignoring NaN and +-Inf (they propagate elementwise)."""
+    ax = jnp.abs(x.astype(jnp.float32))
+    # `ax < inf` is False for NaN and Inf alike.
+    return jnp.max(jnp.where(ax < jnp.inf, ax, 0.0), axis=axis, keepdims=keepdims)
+
+
+def pow2_scale(amax):
+    """Power-of-two scale ``2^floor(log2(448 / amax))``; ``amax == 0 -> 1``.
+
+    Computed from the bits of ``amax`` so the floor is exact: for amax = m * 2^e with
+    m in [1, 2), 448 / amax = (1.75 / m) * 2^(8 - e), whose floor(log2) is 8 - e when
+    m <= 1.75 and 7 - e otherwise. Exponents are clamped to +-126 so that the scale and
+    its inverse stay normal numbers (tiny or denormal amax get the largest scale).
+    """
+    amax = jnp.asarray(amax, jnp.float32)
+    safe = jnp.maximum(amax, jnp.float32(2.0 ** -_MAX_SCALE_EXPONENT))  # smallest normal
+    bits = lax.bitcast_convert_type(safe, jnp.int32)
+    exponent = jnp.right_shift(bits, _MANTISSA_BITS) - _EXPONENT_BIAS
+    mantissa = jnp.bitwise_and(bits, _MANTISSA_MASK)
+    scale_exp = jnp.where(mantissa <= _MANTISSA_OF_1_75, 8 - exponent, 7 - exponent)
+    scale_exp = jnp.clip(scale_exp, -_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
+    scale = lax.bitcast_convert_type(
+        jnp.left_shift(scale_exp + _EXPONENT_BIAS, _MANTISSA_BITS).astype(jnp.int32), jnp.float32
+    )
+    return jnp.where(amax > 0, scale, jnp.float32(1.0))
+
+
+def quantize(x, scale):
+    """``x * scale`` clipped to +-448 and cast to E4M3. Non-finite ``x`` encodes as NaN.
+
+    ``scale`` broadcasts against ``x``. The clip happens before the cast because the GPU
+    saturates while interpret mode and XLA produce NaN for out-of-range finite values.
+    """
+    y = x.astype(jnp.float32) * scale
+    clipped = jnp.clip(y, -FP8_MAX, FP8_MAX)
+    # Inf would be clipped to 448 (silently hiding it); E4M3FN has no Inf, so use NaN.
+    y = jnp.where(jnp.abs(y) == jnp.inf, jnp.nan, clipped)
+    return y.astype(FP8_DTYPE)
+
+
+def dequantize(x8, scale):
+    """Decode: ``x8 / scale`` as f32 (exact, the scale is a power of two)."""
+    return x8.astype(jnp.float32) * (1.0 / scale)
+
+
+def cast_operand(x, scale, precision):
+    """Cast a (pre-scaled-by-``scale``) operand for a dot in ``precision``.
+
+    fp8: ``quantize(x, scale)``; bf16: plain bf16 cast (``scale`` must be 1).
+    """
+    if precision == "fp8":
+        return quantize(x, scale)
+    if precision == "bf16":
+        return x.astype(jnp.bfloat16)
+    raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def operand_dtype(precision):
+    return FP8_DTYPE if precision == "fp8" else jnp.bfloat16
+
+
+def p_scale(precision):
+    """Fixed scale of P for the P@V and P^T@dO dots."""
+    return jnp.float32(P_SCALE if precision == "fp8" else 1.0)
+
+
+def tile_scale(x, precision, axis=None, keepdims=False):
+    """Dynamic scale of dS tiles (amax over ``axis``): pow2 of the amax for fp8, 1 for bf16."""
+    if precision == "fp8":
+        return pow2_scale(finite_amax(x, axis=axis, keepdims=keepdims))
+    return jnp.float32(1.0)
+
+
+def token_block_scales(x_BHTD, precision="fp8", block=SCALE_BLOCK):
+    """Scales per (batch, head, ``block``-token block): ``[B, H, ceil(T / block)]`` f32.
+
+    The amax runs over the block's tokens and the whole head dim; a trailing partial
+    block uses only its valid tokens. bf16 gets all-ones scales.
+    """
+    b, h, t, d = x_BHTD.shape
+    n_blocks = -(-t // block)
+    if precision == "bf16":
+        return jnp.ones((b, h, n_blocks), jnp.float32)
+    pad = n_blocks * block - t
+    x = jnp.pad(x_BHTD.astype(jnp.float32), ((0, 0), (0, 0), (0, pad), (0, 0)))
+    amax = finite_amax(x.reshape(b, h, n_blocks, block * d), axis=-1)
+    return pow2_scale(amax)
+
+
+def expand_token_scales(scales_BHN, t, block=SCALE_BLOCK):
+    """Per-token view ``[B, H, T]`` of block scales ``[B, H, N]``."""
+    return jnp.repeat(scales_BHN, block, axis=-1)[..., :t]
+
+
+def quantize_tokens(x_BHTD, precision="fp8", block=SCALE_BLOCK):
+    """Quantize ``[B, H, T, D]`` with per-token-block scales: ``(x8, scales [B, H, N])``."""
+    scales = token_block_scales(x_BHTD, precision, block)
+    per_token = expand_token_scales(scales, x_BHTD.shape[2], block)[..., None]
+    return cast_operand(x_BHTD, per_token, precision), scales
+

@@ -1,0 +1,316 @@
+"""Pure-JAX attention references.
+
+* :func:`mha_reference`: high-precision (f32 math) attention, the accuracy oracle.
+* :func:`flash_forward` / :func:`flash_backward`: a blockwise emulation of the flash
+  algorithm with exactly the numerics of the Pallas kernels (FP8 or bf16 operands, FP32
+  softmax and accumulation, P and dS quantized per tile). Block sizes are parameters so a
+  kernel can be matched tile for tile.
+
+Layouts: public functions take ``[B, T, H, D]``; the emulation works on ``[B, H, T, D]``.
+Equations (DESIGN.md section 1), per head, with hats for decoded FP8 operands:
+    S = scale * Q^ K^^T,   P = softmax(S),   O = P^ V^            (forward)
+    dV = P^^T dO^,  dP^ = dO^ V^^T,  dS = P * (dP^ - delta),
+    dQ = scale * dS^ K^,   dK = scale * dS^^T Q^                   (backward)
+with ``delta`` one of: stale = rowsum(dO * O), do_matched = rowsum(dO^ * O),
+matched = sum_j P_ij dP^_ij.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dm_jax import numerics
+from dm_jax.masking import MaskInfo, tile_mask
+
+DELTA_MODES = ("matched", "do_matched", "stale")
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _dot(a, b, contract):
+    """f32 dot of (decoded) operands: exact products, f32 accumulation (no TF32)."""
+    return jnp.einsum(contract, a.astype(jnp.float32), b.astype(jnp.float32), precision=_HIGHEST)
+
+
+# --------------------------------------------------------------------------------------
+# High-precision attention
+# --------------------------------------------------------------------------------------
+def mha_reference(q, k, v, *, causal=False, scale=None, segment_ids=None):
+    """High-precision attention in f32.
+
+    Args:
+      q: [B, T, Hq, Dqk]; k: [B, S, Hkv, Dqk]; v: [B, S, Hkv, Dv]; Hq % Hkv == 0.
+      segment_ids: None, [B, T] (T == S) or (q_ids [B, T], kv_ids [B, S]).
+    Returns:
+      [B, T, Hq, Dv] in q's dtype. Rows with no visible key are 0.
+    """
+    b, t, hq, dqk = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    scale = dqk ** -0.5 if scale is None else scale
+    group = hq // hkv
+    qf = q.astype(jnp.float32).reshape(b, t, hkv, group, dqk)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(jnp.float32), precision=_HIGHEST)
+    logits = logits * scale
+    info = MaskInfo.create(t, s, causal=causal, segment_ids=segment_ids)
+    valid = tile_mask(info, jnp.arange(t), jnp.arange(s))  # [B or 1, T, S]
+    valid = valid[:, None, None]
+    logits = jnp.where(valid, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isneginf(row_max), 0.0, row_max)
+    p = jnp.exp(logits - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=_HIGHEST)
+    return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# Blockwise emulation of the kernels
+# --------------------------------------------------------------------------------------
+class QuantizedOperand(NamedTuple):
+    """An operand cast for the dots, as ``[B, H, nblocks, block, D]`` tiles.
+
+    ``inv_scale`` is ``[B, H, nblocks]``: one decode factor per tile (tiles divide the
+    128-token scale block, so one tile sees one scale).
+    """
+
+    values: jax.Array
+    inv_scale: jax.Array
+
+
+def _pad_tokens(x_BHTD, multiple):
+    t = x_BHTD.shape[2]
+    pad = -t % multiple
+    return jnp.pad(x_BHTD, ((0, 0), (0, 0), (0, pad), (0, 0))), t + pad
+
+
+def quantize_operand(x_BHTD, block, precision):
+    """Cast ``[B, H, T, D]`` per 128-token scale block and cut it into ``block``-token tiles."""
+    if numerics.SCALE_BLOCK % block:
+        raise ValueError(f"block sizes must divide {numerics.SCALE_BLOCK}, got {block}")
+    x8, scales = numerics.quantize_tokens(x_BHTD, precision)
+    x8, t_pad = _pad_tokens(x8, block)
+    b, h, _, d = x8.shape
+    n = t_pad // block
+    per_tile = numerics.expand_token_scales(scales, t_pad)[..., ::block]  # [B, H, n]
+    return QuantizedOperand(x8.reshape(b, h, n, block, d), 1.0 / per_tile)
+
+
+def _to_bhtd(x):
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _group_queries(x_BHnbD, hkv):
+    """[B, Hq, ...] -> [B, Hkv, G, ...] (query heads of one kv head side by side)."""
+    b, hq = x_BHnbD.shape[:2]
+    return x_BHnbD.reshape(b, hkv, hq // hkv, *x_BHnbD.shape[2:])
+
+
+class _Tiles(NamedTuple):
+    """Everything the forward and backward need, cast and cut into tiles."""
+
+    q: QuantizedOperand  # values [B, Hkv, G, nq, bq, Dqk], inv [B, Hkv, G, nq]
+    k: QuantizedOperand  # values [B, Hkv, nk, bk, Dqk], inv [B, Hkv, nk]
+    v: QuantizedOperand  # values [B, Hkv, nk, bk, Dv]
+    q_pos: jax.Array  # [nq, bq]
+    k_pos: jax.Array  # [nk, bk]
+
+
+def _tile_inputs(q, k, v, block_q, block_k, precision):
+    hkv = k.shape[2]
+    qo = quantize_operand(_to_bhtd(q), block_q, precision)
+    qo = QuantizedOperand(_group_queries(qo.values, hkv), _group_queries(qo.inv_scale, hkv))
+    ko = quantize_operand(_to_bhtd(k), block_k, precision)
+    vo = quantize_operand(_to_bhtd(v), block_k, precision)
+    nq, nk = qo.values.shape[3], ko.values.shape[2]
+    q_pos = jnp.arange(nq * block_q).reshape(nq, block_q)
+    k_pos = jnp.arange(nk * block_k).reshape(nk, block_k)
+    return _Tiles(qo, ko, vo, q_pos, k_pos)
+
+
+def _scores(tiles, j, info, sm_scale):
+    """Logits of every query tile against key tile ``j``: [B, Hkv, G, nq, bq, bk].
+
+    S = (Q^ K^^T) * (scale / (s_q s_k)); masked entries are -inf.
+    """
+    kj = tiles.k.values[:, :, j]
+    raw = _dot(tiles.q.values, kj, "bkgnqd,bkcd->bkgnqc")
+    descale = sm_scale * tiles.q.inv_scale * tiles.k.inv_scale[:, :, None, None, j]
+    s = raw * descale[..., None, None]
+    valid = tile_mask(info, tiles.q_pos, tiles.k_pos[j])  # [B or 1, nq, bq, bk]
+    return jnp.where(valid[:, None, None], s, -jnp.inf)
+
+
+def _unmasked_max(m):
+    return jnp.where(jnp.isneginf(m), 0.0, m)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("causal", "sm_scale", "precision", "block_q", "block_k")
+)
+def flash_forward(q, k, v, segment_ids=None, *, causal, sm_scale, precision, block_q, block_k):
+    """Blockwise forward with online softmax; ``(out [B, T, Hq, Dv], lse [B, Hq, T])``.
+
+    Per key tile j (FP32 softmax state m, l, acc per query row):
+        m' = max(m, rowmax S_j);  p = exp(S_j - m');  alpha = exp(m - m')
+        l = alpha l + rowsum(p);  acc = alpha acc + (p * 256)^ V^_j / 256
+    out = acc / l (0 for rows with no visible key), lse = m + log l (+inf there).
+    """
+    b, t, hq, _ = q.shape
+    s_len, hkv, dv = v.shape[1], v.shape[2], v.shape[3]
+    tiles = _tile_inputs(q, k, v, block_q, block_k, precision)
+    info = MaskInfo.create(t, s_len, causal=causal, segment_ids=segment_ids)
+    p_scale = numerics.p_scale(precision)
+    rows = tiles.q.values.shape[:-1]  # [B, Hkv, G, nq, bq]
+
+    def step(carry, j):
+        m, l, acc = carry
+        s = _scores(tiles, j, info, sm_scale)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = _unmasked_max(m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        p8 = numerics.cast_operand(p, p_scale, precision)
+        pv = _dot(p8, tiles.v.values[:, :, j], "bkgnqc,bkcd->bkgnqd")
+        pv = pv * (tiles.v.inv_scale[:, :, None, None, j, None, None] / p_scale)
+        return (m_new, l, alpha[..., None] * acc + pv), None
+
+    init = (
+        jnp.full(rows, -jnp.inf, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+        jnp.zeros(rows + (dv,), jnp.float32),
+    )
+    n_k = tiles.k.values.shape[2]
+    (m, l, acc), _ = lax.scan(step, init, jnp.arange(n_k))
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
+    lse = jnp.where(l == 0, jnp.inf, m + jnp.log(l))
+    out = out.reshape(b, hq, -1, dv)[:, :, :t]
+    lse = lse.reshape(b, hq, -1)[:, :, :t]
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype), lse
+
+
+def _rowsum_delta(do8_tiles, do, o, delta, hkv, block_q):
+    """stale: rowsum(dO * O) (dO before its cast); do_matched: rowsum(dO^ * O)."""
+    o_f = _to_bhtd(o).astype(jnp.float32)
+    if delta == "stale":
+        do_f = _to_bhtd(do).astype(jnp.float32)
+    else:
+        vals = do8_tiles.values.astype(jnp.float32) * do8_tiles.inv_scale[..., None, None]
+        b, _, g, nq, bq, d = vals.shape
+        do_f = vals.reshape(b, hkv * g, nq * bq, d)[:, :, : o_f.shape[2]]
+    rows = jnp.sum(do_f * o_f, axis=-1)  # [B, Hq, T]
+    rows, _ = _pad_tokens(rows[..., None], block_q)
+    b, hq = rows.shape[:2]
+    return _group_queries(rows[..., 0].reshape(b, hq, -1, block_q), hkv)
+
+
+class BackwardResult(NamedTuple):
+    dq: jax.Array  # [B, T, Hq, Dqk]
+    dk: jax.Array  # [B, S, Hkv, Dqk]
+    dv: jax.Array  # [B, S, Hkv, Dv]
+    delta: jax.Array  # [B, Hq, T]
+    # Row statistics of dS: sum_j dS_ij and sum_j |dS_ij|, before / after the dS cast.
+    ds_rowsum_pre: jax.Array  # [B, Hq, T]
+    ds_abssum_pre: jax.Array
+    ds_rowsum_post: jax.Array
+    ds_abssum_post: jax.Array
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("causal", "sm_scale", "precision", "delta", "block_q", "block_k"),
+)
+def flash_backward(
+    q, k, v, o, lse, do, segment_ids=None, *, causal, sm_scale, precision, delta, block_q, block_k
+):
+    """Blockwise backward with recomputed P; returns :class:`BackwardResult`.
+
+    Pass 1 (``matched`` only): delta_i = sum_j P_ij dP^_ij over all key tiles, with dP^
+    computed by the same function (same operands, scales and order) as in pass 2.
+    Pass 2, per key tile j: P = exp(S - lse); dP^ = dO^ V^^T; dS = P (dP^ - delta);
+    dS^ = cast(dS * s_tile); dV_j = (P*256)^^T dO^; dQ += dS^ K^_j; dK_j = dS^^T Q^.
+    """
+    if delta not in DELTA_MODES:
+        raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta!r}")
+    b, t, hq, dqk = q.shape
+    s_len, hkv, dv_dim = v.shape[1], v.shape[2], v.shape[3]
+    tiles = _tile_inputs(q, k, v, block_q, block_k, precision)
+    do8 = quantize_operand(_to_bhtd(do), block_q, precision)
+    do8 = QuantizedOperand(_group_queries(do8.values, hkv), _group_queries(do8.inv_scale, hkv))
+    info = MaskInfo.create(t, s_len, causal=causal, segment_ids=segment_ids)
+    lse_t, _ = _pad_tokens(lse[..., None], block_q)
+    lse_t = _group_queries(lse_t[..., 0].reshape(b, hq, -1, block_q), hkv)
+    p_scale = numerics.p_scale(precision)
+
+    def probs(j):
+        s = _scores(tiles, j, info, sm_scale)
+        return jnp.exp(s - lse_t[..., None])  # 0 where masked (S = -inf)
+
+    def dp_hat(j):
+        raw = _dot(do8.values, tiles.v.values[:, :, j], "bkgnqd,bkcd->bkgnqc")
+        descale = do8.inv_scale * tiles.v.inv_scale[:, :, None, None, j]
+        return raw * descale[..., None, None]
+
+    n_k = tiles.k.values.shape[2]
+    if delta == "matched":
+        def delta_step(acc, j):
+            return acc + jnp.sum(probs(j) * dp_hat(j), axis=-1), None
+
+        delta_t, _ = lax.scan(delta_step, jnp.zeros(lse_t.shape, jnp.float32), jnp.arange(n_k))
+    else:
+        delta_t = _rowsum_delta(do8, do, o, delta, hkv, block_q)
+
+    def step(carry, j):
+        dq, stats = carry
+        p = probs(j)
+        ds = p * (dp_hat(j) - delta_t[..., None])  # [B, Hkv, G, nq, bq, bk]
+        # one dS scale per (query tile, key tile): [B, Hkv, G, nq, 1, 1]
+        ds_scale = jnp.broadcast_to(
+            numerics.tile_scale(ds, precision, axis=(-2, -1), keepdims=True), ds.shape[:-2] + (1, 1)
+        )
+        ds8 = numerics.cast_operand(ds, ds_scale, precision)
+        ds_post = ds8.astype(jnp.float32) / ds_scale
+        stats = (
+            stats[0] + jnp.sum(ds, -1),
+            stats[1] + jnp.sum(jnp.abs(ds), -1),
+            stats[2] + jnp.sum(ds_post, -1),
+            stats[3] + jnp.sum(jnp.abs(ds_post), -1),
+        )
+        ds_descale = sm_scale / ds_scale[..., 0, 0]  # [B, Hkv, G, nq]
+        kj = tiles.k.values[:, :, j]
+        dq = dq + _dot(ds8, kj, "bkgnqc,bkcd->bkgnqd") * (
+            ds_descale * tiles.k.inv_scale[:, :, None, None, j]
+        )[..., None, None]
+        dk_j = _dot(ds8, tiles.q.values, "bkgnqc,bkgnqd->bkgncd") * (
+            ds_descale * tiles.q.inv_scale
+        )[..., None, None]
+        p8 = numerics.cast_operand(p, p_scale, precision)
+        dv_j = _dot(p8, do8.values, "bkgnqc,bkgnqd->bkgncd") * (
+            do8.inv_scale / p_scale
+        )[..., None, None]
+        # dK_j, dV_j: sum over query tiles and over the query heads of the group.
+        return (dq, stats), (jnp.sum(dk_j, (2, 3)), jnp.sum(dv_j, (2, 3)))
+
+    zeros_rows = jnp.zeros(lse_t.shape, jnp.float32)
+    init = (jnp.zeros(tiles.q.values.shape, jnp.float32), (zeros_rows,) * 4)
+    (dq, stats), (dk, dv) = lax.scan(step, init, jnp.arange(n_k))
+
+    def rows_out(x):  # [B, Hkv, G, nq, bq] -> [B, Hq, T]
+        return x.reshape(b, hq, -1)[:, :, :t]
+
+    dq = jnp.swapaxes(dq.reshape(b, hq, -1, dqk)[:, :, :t], 1, 2)
+    # scan stacks key tiles first: [nk, B, Hkv, bk, D] -> [B, Hkv, S, D]
+    dk = jnp.moveaxis(dk, 0, 2).reshape(b, hkv, -1, dqk)[:, :, :s_len]
+    dv = jnp.moveaxis(dv, 0, 2).reshape(b, hkv, -1, dv_dim)[:, :, :s_len]
+    return BackwardResult(
+        dq.astype(q.dtype),
+        jnp.swapaxes(dk, 1, 2).astype(k.dtype),
+        jnp.swapaxes(dv, 1, 2).astype(v.dtype),
+        rows_out(delta_t),
+        *(rows_out(x) for x in stats),
+    )
+

@@ -1,0 +1,1 @@
+"""Raw Pallas kernels: no autodiff, no policy, no model code."""

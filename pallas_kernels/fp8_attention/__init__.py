@@ -1,0 +1,1 @@
+"""FP8 (and bf16) flash attention kernels for Hopper, Triton lowering."""

@@ -1,0 +1,44 @@
+"""Block sizes of the attention kernels, and the defaults per head dim.
+
+The blockwise reference (:mod:`dm_jax.reference`) takes the same block sizes, so the
+reference and the kernels can be compared tile for tile. Token tiles must divide the
+128-token scale block of Q, K, V and dO (``dm_jax.numerics.SCALE_BLOCK``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from dm_jax import numerics
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (tokens) of the forward and backward passes, plus launch settings."""
+
+    block_q: int = 64
+    block_k: int = 64
+    bwd_block_q: int = 64
+    bwd_block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    bwd_num_warps: int = 4
+    bwd_num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1) or numerics.SCALE_BLOCK % value:
+                raise ValueError(
+                    f"{name} must be a power of two in [16, {numerics.SCALE_BLOCK}] "
+                    f"(it must divide the {numerics.SCALE_BLOCK}-token scale block), got {value}"
+                )
+
+
+def default_block_sizes(head_dim_qk: int, head_dim_v: int) -> BlockSizes:
+    """Heuristic tiles per head dim: smaller tiles for larger heads (register pressure)."""
+    widest = max(head_dim_qk, head_dim_v)
+    if widest <= 64:
+        return BlockSizes(block_q=128, block_k=64, bwd_block_q=64, bwd_block_k=64)
+    if widest <= 128:
+        return BlockSizes(block_q=128, block_k=64, bwd_block_q=64, bwd_block_k=64, num_warps=8)
+    return BlockSizes(block_q=64, block_k=32, bwd_block_q=32, bwd_block_k=32, num_warps=8)
