@@ -1,0 +1,120 @@
+"""Scoring a causal LM on prompted tasks: greedy exact match and gold-answer log-likelihood.
+
+The model is any callable `logits_fn(tokens_BT int32 [B, T]) -> logits [B, T, V]` of a
+causal LM. Sequences in a batch are right-padded to one length (a multiple of `pad_to`) so
+a jitted `logits_fn` compiles once per length; causality makes the padding harmless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Sequence
+
+import numpy as np
+
+from train.eval.ruler import RulerExample, Tokenizer
+
+LogitsFn = Callable[[np.ndarray], "np.ndarray"]
+
+
+def _pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> np.ndarray:
+    out = np.full((len(seqs), length), pad_id, np.int32)
+    for row, seq in zip(out, seqs):
+        row[: len(seq)] = seq
+    return out
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits - logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                    pad_id: int = 0, pad_to: int = 128) -> list[list[int]]:
+    """Greedy continuation of each prompt: `max_new_tokens` ids per prompt.
+
+    Runs `max_new_tokens` full forward passes over a fixed [B, L] buffer (no KV cache):
+    simple and exact for any causal model, fine for the short answers tasks need.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    lengths = np.array([len(p) for p in prompts])
+    if lengths.min() < 1:
+        raise ValueError("prompts: every prompt needs at least one token")
+    buf_BL = _pad(prompts, _round_up(int(lengths.max()) + max_new_tokens, pad_to), pad_id)
+    rows = np.arange(len(prompts))
+    for step in range(max_new_tokens):
+        pos = lengths + step
+        logits_BLV = np.asarray(logits_fn(buf_BL))
+        buf_BL[rows, pos] = logits_BLV[rows, pos - 1].argmax(-1)
+    return [buf_BL[i, lengths[i]: lengths[i] + max_new_tokens].tolist() for i in rows]
+
+
+def continuation_logprob(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
+                         continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
+                         pad_to: int = 128) -> np.ndarray:
+    """Mean log-probability per token (nats) of each continuation given its prompt: [N]."""
+    seqs = [list(p) + list(c) for p, c in zip(prompts, continuations)]
+    tokens_BL = _pad(seqs, _round_up(max(map(len, seqs)), pad_to), pad_id)
+    logp_BLV = _log_softmax(np.asarray(logits_fn(tokens_BL), np.float64))
+    out = np.empty(len(seqs))
+    for i, (p, c) in enumerate(zip(prompts, continuations)):
+        pos = np.arange(len(p), len(p) + len(c))
+        out[i] = logp_BLV[i, pos - 1, tokens_BL[i, pos]].mean()
+    return out
+
+
+def _normalize(text: str) -> str:
+    return re.sub(r"\s+", " ", text.lower()).strip()
+
+
+def match_fraction(prediction: str, answers: Sequence[str]) -> float:
+    """Fraction of gold `answers` found in `prediction` (case- and space-insensitive)."""
+    pred = _normalize(prediction)
+    return sum(_normalize(a) in pred for a in answers) / len(answers)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskScore:
+    """Scores of one task at one context length, averaged over its examples.
+
+    exact_match: share of examples whose greedy output contains every gold answer.
+    partial_match: mean share of gold answers found in the greedy output.
+    gold_logprob: mean per-token log-likelihood (nats) of the gold answer text.
+    """
+
+    task: str
+    context_length: int
+    n: int
+    exact_match: float
+    partial_match: float
+    gold_logprob: float
+
+
+def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence[RulerExample], *,
+                   batch_size: int = 8, pad_id: int = 0, generate: bool = True) -> TaskScore:
+    """Scores examples of one task and length (see `TaskScore`); `generate=False` skips
+    greedy decoding (exact/partial match are then NaN) and only scores the likelihood."""
+    if not examples or len({(e.task, e.context_length) for e in examples}) != 1:
+        raise ValueError("examples: need a non-empty list of one task at one context length")
+    em, pm, lp = [], [], []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start: start + batch_size]
+        prompts = [list(tokenizer.encode(e.prompt)) for e in chunk]
+        golds = [list(tokenizer.encode(e.target)) for e in chunk]
+        pad_to = min(128, _round_up(chunk[0].context_length, 8))
+        lp += continuation_logprob(logits_fn, prompts, golds, pad_id=pad_id, pad_to=pad_to).tolist()
+        if generate:
+            outs = greedy_generate(logits_fn, prompts, max(map(len, golds)) + 4, pad_id=pad_id, pad_to=pad_to)
+            fractions = [match_fraction(tokenizer.decode(o), e.answers) for o, e in zip(outs, chunk)]
+            pm += fractions
+            em += [float(f == 1.0) for f in fractions]
+    nan = float("nan")
+    return TaskScore(examples[0].task, examples[0].context_length, len(examples),
+                     float(np.mean(em)) if em else nan, float(np.mean(pm)) if pm else nan,
+                     float(np.mean(lp)))
