@@ -1,0 +1,111 @@
+"""Run metrics: `metrics.jsonl` (one JSON row per logged step) and TensorBoard event files.
+
+Rows hold `step`, `loss`, `lr`, `grad_norm`, `tokens_per_s`, `val_ce` when evaluated, and per
+attention layer `L<i>/max_gain`, `L<i>/top1_share`, `L<i>/top4_share` (QK-norm gain product
+statistics) and, when probed, `L<i>/residual_pre` / `L<i>/residual_post` (mean dS row-sum
+residual before / after the FP8 cast of dS).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Iterable, Optional
+
+import numpy as np
+
+
+class TensorBoardWriter:
+    """Scalar summaries through tensorboard's own event writer (no TensorFlow needed)."""
+
+    def __init__(self, logdir: str):
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(logdir, flush_secs=10)
+
+    def scalars(self, step: int, values: dict) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+
+        summary = summary_pb2.Summary(value=[
+            summary_pb2.Summary.Value(tag=k, simple_value=float(v))
+            for k, v in values.items() if isinstance(v, (int, float)) and k != "step"])
+        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
+class MetricsLog:
+    """Appends rows to `<run_dir>/metrics.jsonl` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: str, *, tensorboard: bool = True, truncate_after: Optional[int] = None):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if truncate_after is not None:  # resuming: drop rows logged after the checkpoint
+            rows = [r for r in read_metrics(run_dir) if r["step"] <= truncate_after]
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        self._file = open(self.path, "a")
+        self._tb = TensorBoardWriter(os.path.join(run_dir, "tensorboard")) if tensorboard else None
+        self.last: dict = {}
+
+    def write(self, row: dict) -> None:
+        row = {k: _clean(v) for k, v in row.items()}
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            self._tb.scalars(row["step"], row)
+        self.last = row
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _clean(v):
+    if isinstance(v, (np.generic, np.ndarray)) or hasattr(v, "item"):
+        v = v.item() if np.size(v) == 1 else np.asarray(v).tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """All rows of a run's metrics.jsonl (empty list if none)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def gain_rows(gains: dict, gain_statistics) -> dict:
+    """{layer: (g_q, g_k)} -> flat metrics `L<i>/max_gain`, `L<i>/top1_share`, `L<i>/top4_share`."""
+    row = {}
+    for layer, (g_q, g_k) in sorted(gains.items()):
+        stats = gain_statistics(g_q, g_k)
+        for name in ("max_gain", "top1_share", "top4_share"):
+            row[f"L{layer}/{name}"] = float(np.asarray(stats[name]).max())
+    return row
+
+
+def residual_rows(residuals: dict) -> dict:
+    """{layer: {'pre_cast': [B,H,T], 'post_cast': [B,H,T]}} -> mean residual per layer."""
+    row = {}
+    for layer, res in sorted(residuals.items()):
+        row[f"L{layer}/residual_pre"] = float(np.nanmean(np.asarray(res["pre_cast"])))
+        row[f"L{layer}/residual_post"] = float(np.nanmean(np.asarray(res["post_cast"])))
+    return row
+
+
+def layer_series(rows: Iterable[dict], suffix: str) -> dict[str, list[tuple[int, float]]]:
+    """{'L<i>': [(step, value), ...]} for metric keys ending in `/suffix`."""
+    out: dict = {}
+    for r in rows:
+        for k, v in r.items():
+            if k.endswith("/" + suffix) and isinstance(v, (int, float)):
+                out.setdefault(k.split("/")[0], []).append((r["step"], v))
+    return out
