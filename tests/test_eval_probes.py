@@ -15,7 +15,7 @@ def _batch(seed=0, B=2, T=8):
                 mask=np.ones((B, T), np.float32))
 
 
-def oracle(tokens_BT, *, ablate_attention_layers=(), targets=None):
+def oracle(tokens_BT, *, segment_ids=None, ablate_attention_layers=(), targets=None):
     """Knows the targets unless layer 3 is ablated, then uniform."""
     B, T = tokens_BT.shape
     if 3 in ablate_attention_layers:
@@ -25,11 +25,11 @@ def oracle(tokens_BT, *, ablate_attention_layers=(), targets=None):
 
 def test_cross_entropy_uniform_and_masked():
     batch = _batch()
-    uniform = lambda t: np.zeros(t.shape + (V,), np.float32)  # noqa: E731
+    uniform = lambda t, segment_ids=None: np.zeros(t.shape + (V,), np.float32)  # noqa: E731
     assert cross_entropy(uniform, [batch]) == pytest.approx(np.log(V))
     # Masked-out positions do not count: a model right only where the mask is 1.
     batch["mask"][:, 4:] = 0
-    half = lambda t: np.where(np.arange(t.shape[1])[None, :, None] < 4,  # noqa: E731
+    half = lambda t, segment_ids=None: np.where(np.arange(t.shape[1])[None, :, None] < 4,  # noqa: E731
                               9.0 * np.eye(V)[batch["targets"]], 0.0)
     assert cross_entropy(half, [batch]) < 0.01
     batch["mask"][:] = 0

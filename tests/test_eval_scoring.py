@@ -52,7 +52,7 @@ def test_greedy_generate_emits_the_model_argmax():
         tokens_BT = np.asarray(tokens_BT)
         return np.eye(V, dtype=np.float32)[(tokens_BT + 1) % V]
 
-    out = greedy_generate(next_is_plus_one, [[1, 2], [10]], 3, pad_to=8)
+    out = greedy_generate(next_is_plus_one, [[1, 2], [10]], 3, length=8, rows=4)
     assert out == [[3, 4, 5], [11, 12, 13]]
 
 

@@ -1,10 +1,11 @@
 """Model probes: validation cross-entropy, attention masking, dS row-sum residuals.
 
 They take callables, not training internals:
-  logits_fn(tokens_BT, *, ablate_attention_layers=()) -> logits [B, T, V]
+  logits_fn(tokens_BT, *, segment_ids=None, ablate_attention_layers=()) -> logits [B, T, V]
   probe_fn(tokens_BT, targets_BT) -> {layer: dict(q=[B,T,Hq,D], k=[B,S,Hkv,D], v=..., do=...)}
-Batches are dicts with `tokens`, `targets` (int32 [B, T]) and optionally `mask`
-(float32 [B, T], 1 where the target counts), as `train.data.Batches` serves them.
+Batches are dicts with `tokens`, `targets` (int32 [B, T]) and optionally `segments`
+(int32 [B, T] document ids, or None) and `mask` (float32 [B, T], 1 where the target
+counts), as `train.data.Batches` serves them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def cross_entropy(logits_fn: Callable, batches: Iterable[Mapping], **kwargs) -> 
     """
     total, count = 0.0, 0.0
     for batch in batches:
-        nll_BT = _token_nll(logits_fn(np.asarray(batch["tokens"]), **kwargs), batch["targets"])
+        logits_BTV = logits_fn(np.asarray(batch["tokens"]), segment_ids=batch.get("segments"), **kwargs)
+        nll_BT = _token_nll(logits_BTV, batch["targets"])
         mask_BT = np.asarray(batch.get("mask", np.ones(nll_BT.shape)), np.float64)
         total += float((nll_BT * mask_BT).sum())
         count += float(mask_BT.sum())

@@ -1,8 +1,8 @@
 """Scoring a causal LM on prompted tasks: greedy exact match and gold-answer log-likelihood.
 
 The model is any callable `logits_fn(tokens_BT int32 [B, T]) -> logits [B, T, V]` of a
-causal LM. Sequences in a batch are right-padded to one length (a multiple of `pad_to`) so
-a jitted `logits_fn` compiles once per length; causality makes the padding harmless.
+causal LM. Batches are right-padded to a fixed [rows, length] (causality makes the padding
+harmless), so a jitted `logits_fn` compiles once per context length.
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ import numpy as np
 from train.eval.ruler import RulerExample, Tokenizer
 
 LogitsFn = Callable[[np.ndarray], "np.ndarray"]
+_MAX_NEW = 64  # room past the context length for greedy answers
 
 
-def _pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int) -> np.ndarray:
-    out = np.full((len(seqs), length), pad_id, np.int32)
+def _pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, rows: int = 0) -> np.ndarray:
+    """int32 [max(rows, len(seqs)), length]: each sequence left-aligned, then `pad_id`."""
+    if max(map(len, seqs)) > length:
+        raise ValueError(f"length: {length} is shorter than a sequence of {max(map(len, seqs))} tokens")
+    out = np.full((max(rows, len(seqs)), length), pad_id, np.int32)
     for row, seq in zip(out, seqs):
         row[: len(seq)] = seq
     return out
@@ -35,18 +39,22 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                    pad_id: int = 0, pad_to: int = 128) -> list[list[int]]:
+                    pad_id: int = 0, length: int = 0, rows: int = 0) -> list[list[int]]:
     """Greedy continuation of each prompt: `max_new_tokens` ids per prompt.
 
-    Runs `max_new_tokens` full forward passes over a fixed [B, L] buffer (no KV cache):
-    simple and exact for any causal model, fine for the short answers tasks need.
+    Runs `max_new_tokens` full forward passes over a [max(rows, N), L] buffer (no KV cache;
+    L = `length`, or the longest prompt + `max_new_tokens` rounded up to 128): simple and
+    exact for any causal model, fine for the short answers tasks need.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
     lengths = np.array([len(p) for p in prompts])
     if lengths.min() < 1:
         raise ValueError("prompts: every prompt needs at least one token")
-    buf_BL = _pad(prompts, _round_up(int(lengths.max()) + max_new_tokens, pad_to), pad_id)
+    need = int(lengths.max()) + max_new_tokens
+    buf_BL = _pad(prompts, length or _round_up(need, 128), pad_id, rows)
+    if need > buf_BL.shape[1]:
+        raise ValueError(f"length: {buf_BL.shape[1]} cannot hold a prompt and {max_new_tokens} new tokens")
     rows = np.arange(len(prompts))
     for step in range(max_new_tokens):
         pos = lengths + step
@@ -57,10 +65,12 @@ def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_n
 
 def continuation_logprob(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
                          continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
-                         pad_to: int = 128) -> np.ndarray:
-    """Mean log-probability per token (nats) of each continuation given its prompt: [N]."""
+                         length: int = 0, rows: int = 0) -> np.ndarray:
+    """Mean log-probability per token (nats) of each continuation given its prompt: [N].
+
+    `length`, `rows`: the padded batch shape, as in `greedy_generate`."""
     seqs = [list(p) + list(c) for p, c in zip(prompts, continuations)]
-    tokens_BL = _pad(seqs, _round_up(max(map(len, seqs)), pad_to), pad_id)
+    tokens_BL = _pad(seqs, length or _round_up(max(map(len, seqs)), 128), pad_id, rows)
     logp_BLV = _log_softmax(np.asarray(logits_fn(tokens_BL), np.float64))
     out = np.empty(len(seqs))
     for i, (p, c) in enumerate(zip(prompts, continuations)):
@@ -103,14 +113,17 @@ def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence
     if not examples or len({(e.task, e.context_length) for e in examples}) != 1:
         raise ValueError("examples: need a non-empty list of one task at one context length")
     em, pm, lp = [], [], []
+    # One [batch_size, length] shape for every task at this context length: one compile.
+    length = _round_up(examples[0].context_length + _MAX_NEW, 128)
+    shape = dict(pad_id=pad_id, length=length, rows=batch_size)
     for start in range(0, len(examples), batch_size):
         chunk = examples[start: start + batch_size]
         prompts = [list(tokenizer.encode(e.prompt)) for e in chunk]
         golds = [list(tokenizer.encode(e.target)) for e in chunk]
-        pad_to = min(128, _round_up(chunk[0].context_length, 8))
-        lp += continuation_logprob(logits_fn, prompts, golds, pad_id=pad_id, pad_to=pad_to).tolist()
+        lp += continuation_logprob(logits_fn, prompts, golds, **shape).tolist()
         if generate:
-            outs = greedy_generate(logits_fn, prompts, max(map(len, golds)) + 4, pad_id=pad_id, pad_to=pad_to)
+            new_tokens = min(max(map(len, golds)) + 4, length - max(map(len, prompts)))
+            outs = greedy_generate(logits_fn, prompts, new_tokens, **shape)
             fractions = [match_fraction(tokenizer.decode(o), e.answers) for o, e in zip(outs, chunk)]
             pm += fractions
             em += [float(f == 1.0) for f in fractions]
