@@ -1,0 +1,89 @@
+"""Device-time budgets: how many steps fit in a per-arm budget, and a hard stop at its end.
+
+`train.loop.train` has no time limit of its own; it stops cleanly (checkpoint, status
+"interrupted") on SIGINT. `TimeLimit` sends that signal to this process when the budget is
+spent, so an arm that runs slower than calibrated still ends on time with a usable model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import threading
+import time
+from typing import Callable
+
+from train import loop, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Measured on a short run: steady seconds per optimizer step, and the fixed cost of a
+    run (data loading, model set-up, compilation, final checkpoint) in seconds."""
+
+    seconds_per_step: float
+    setup_seconds: float
+
+
+def calibrate(make_config: Callable[[int, str, int], object], scratch_dir: str, *,
+              steps: int = 10) -> Calibration:
+    """Trains `steps` steps in `scratch_dir` (deleted afterwards) and times them.
+
+    make_config(steps, run_dir, log_every) -> RunConfig. Logging at `steps // 2` and
+    `steps` makes the second logged tokens/s a steady-state rate (compilation falls in the
+    first interval).
+    """
+    if steps < 4:
+        raise ValueError(f"steps: calibration needs >= 4 steps, got {steps}")
+    cfg = make_config(steps, scratch_dir, steps // 2)
+    start = time.perf_counter()
+    try:
+        loop.train(cfg, progress=False)
+        wall = time.perf_counter() - start
+        rows = [r for r in metrics.read_metrics(scratch_dir) if "tokens_per_s" in r]
+    finally:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+    seconds_per_step = cfg.batch_size * cfg.seq_len / rows[-1]["tokens_per_s"]
+    return Calibration(seconds_per_step, max(0.0, wall - steps * seconds_per_step))
+
+
+def steps_for_budget(cal: Calibration, budget_s: float, *, reserve_s: float, margin: float = 0.85) -> int:
+    """Steps that fit in `budget_s` after the run's fixed cost and `reserve_s` (evaluation),
+    with `margin` for logging, validation and checkpoints during training."""
+    train_s = budget_s - reserve_s - cal.setup_seconds
+    steps = int(margin * train_s / cal.seconds_per_step)
+    if steps < 1:
+        raise ValueError(
+            f"--minutes-per-arm: {budget_s / 60:.1f} min leaves no time to train (set-up "
+            f"{cal.setup_seconds:.0f} s, evaluation reserve {reserve_s:.0f} s, "
+            f"{cal.seconds_per_step:.3f} s/step)")
+    return steps
+
+
+class TimeLimit:
+    """Context manager: after `seconds`, send SIGINT to this process (once) and set `fired`.
+
+    Meant to wrap `train.loop.train`, which turns SIGINT into a clean stop. A limit of None
+    or <= 0 never fires."""
+
+    def __init__(self, seconds):
+        self.seconds, self.fired = seconds, False
+        self._timer = None
+
+    def _fire(self):
+        self.fired = True
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def __enter__(self):
+        if self.seconds is not None and self.seconds > 0:
+            self._timer = threading.Timer(self.seconds, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._timer is not None:
+            self._timer.cancel()
+        return False

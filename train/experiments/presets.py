@@ -1,0 +1,65 @@
+"""Comparison presets: model size, batch shape and evaluation sizes per named preset.
+
+A preset fixes everything but the attention arm, so every arm of a comparison trains the
+same model from the same initialization on the same data order (same `seed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+
+from train.eval.suite import RulerConfig
+
+ARMS = ("reference", "bf16", "matched", "do_matched", "stale", "cudnn_fp8", "cudnn_bf16")
+DEFAULT_ARMS = ("reference", "stale", "do_matched", "matched", "cudnn_fp8")
+
+
+@dataclasses.dataclass(frozen=True)
+class ComparePreset:
+    """model_preset: a `train` preset (SIZE or FAMILY-SIZE). steps: default training length.
+    val_batches: validation batches for CE and the masking probe. probe_rows: sequences fed
+    to the dS row-sum residual probe. ruler: the long-context suite. log_every/eval_every:
+    training-time logging (gains every log step, validation CE every eval step)."""
+
+    model_preset: str
+    batch_size: int
+    seq_len: int
+    steps: int
+    learning_rate: Optional[float] = None  # None: the train preset's default
+    log_every: int = 10
+    eval_every: int = 50
+    val_batches: int = 8
+    probe_rows: int = 2
+    ruler: RulerConfig = RulerConfig()
+
+
+PRESETS = {
+    # CPU smoke test: a few steps of the tiny model, short contexts.
+    "tiny": ComparePreset("tiny", batch_size=2, seq_len=64, steps=4, log_every=2, eval_every=2,
+                          val_batches=1, probe_rows=1,
+                          ruler=RulerConfig(context_lengths=(512,), tasks=("niah_single", "frequent_words"),
+                                            examples=2, batch_size=2)),
+    # One GPU, minutes per arm.
+    "small": ComparePreset("small", batch_size=16, seq_len=2048, steps=500, log_every=10, eval_every=50,
+                           val_batches=16, probe_rows=2,
+                           ruler=RulerConfig(context_lengths=(2048, 4096), examples=8, batch_size=8)),
+}
+
+
+def get_preset(name: str) -> ComparePreset:
+    if name not in PRESETS:
+        raise ValueError(f"--preset: unknown {name!r}; presets: {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def unavailable_reason(arm: str, backend: Optional[str] = None) -> Optional[str]:
+    """Why `arm` cannot run on this machine (None if it can). `backend` defaults to JAX's."""
+    if arm not in ARMS:
+        raise ValueError(f"--arms: unknown arm {arm!r}; arms: {ARMS}")
+    backend = backend or jax.default_backend()
+    if arm.startswith("cudnn") and backend != "gpu":
+        return f"needs an NVIDIA GPU with cuDNN attention (JAX backend here: {backend})"
+    return None
