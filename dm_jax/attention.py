@@ -95,7 +95,7 @@ def _attention_fwd(config, q, k, v, q_ids, kv_ids):
 def _attention_bwd(config, residuals, do):
     q, k, v, out, lse, q_ids, kv_ids = residuals
     grads = BACKENDS[config.implementation].backward(
-        q, k, v, out, lse, do, q_ids, kv_ids, config=config
+        q, k, v, out, lse, do, q_ids, kv_ids, config=config, with_stats=False
     )
     return grads.dq, grads.dk, grads.dv, None, None
 

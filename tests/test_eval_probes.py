@@ -1,5 +1,7 @@
 """Probes: cross-entropy, attention masking and dS row-sum residual bookkeeping."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -60,3 +62,28 @@ def test_residual_probe_per_layer_and_mode():
     assert all(seen_ == (True, False) for seen_ in seen)
     assert residual_ratio(stats) == {1: pytest.approx(6.0), 5: pytest.approx(6.0)}
     assert residual_ratio(stats, stage="pre_cast", numerator="do_matched") == {1: pytest.approx(3.0), 5: pytest.approx(3.0)}
+
+
+def test_residual_probe_on_real_activations():
+    """On a small model's captured attention inputs, Delta-Matching zeroes the pre-cast dS
+    row sums (FP32 rounding) while stale delta leaves a residual, before and after the cast."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dm_jax import diagnostics
+    from test_train_standin import StandinLM, standin_probe
+    from train.experiments.evaluate import jit_with_model
+
+    model = StandinLM(257, rngs=nnx.Rngs(0))
+    batch = _batch(B=2, T=32)
+    jitted = jit_with_model(model, standin_probe)
+    probe = lambda t, y: jitted(jnp.asarray(t), jnp.asarray(y))  # noqa: E731
+    row_sums = jax.jit(functools.partial(diagnostics.row_sum_residuals, implementation="reference"),
+                       static_argnames=("causal", "delta"))
+    stats = residual_probe(probe, row_sums, dict(batch, segments=None))
+    by = {(s.layer, s.delta): s for s in stats}
+    for layer in (0, 1):
+        assert by[(layer, "matched")].pre_cast < 1e-5
+        assert by[(layer, "stale")].pre_cast > 100 * by[(layer, "matched")].pre_cast
+    assert all(r > 1.0 for r in residual_ratio(stats).values())

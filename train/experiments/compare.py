@@ -12,12 +12,14 @@ runs/compare/<name of --out>). Arms that cannot run here are reported as not run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 import traceback
 from typing import Optional, Sequence
@@ -59,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-generate", action="store_true", help="skip greedy decoding (likelihood scores only)")
     a("--skip-done", action="store_true", help="keep arms whose results/<arm>.json says done")
     a("--report-only", action="store_true", help="rebuild report.md and plots from results/ and metrics/")
-    a("--no-progress", action="store_true", help="no training progress bars")
+    a("--no-progress", action="store_true", help="no progress bar; print metrics rows as they come")
     return p
 
 
@@ -112,6 +114,36 @@ def _train_summary(rows: Sequence[dict], steps: int) -> dict:
                 tokens_per_s=statistics.median(speeds[1:] or speeds) if speeds else None)
 
 
+class _EchoMetrics:
+    """While training: print each new metrics row of `run_dir` every `seconds` (for logs,
+    where the progress bar of a terminal does not draw)."""
+
+    def __init__(self, run_dir: str, label: str, seconds: float = 20.0):
+        self.run_dir, self.label, self.seconds = run_dir, label, seconds
+        self._stop, self._seen = threading.Event(), 0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(self.seconds):
+            self.echo()
+
+    def echo(self):
+        for r in metrics.read_metrics(self.run_dir)[self._seen:]:
+            self._seen += 1
+            extra = "".join(f"  {k} {r[k]:.4g}" for k in ("val_ce", "tokens_per_s") if isinstance(r.get(k), (int, float)))
+            console.print(f"  [{self.label}] step {r['step']}  loss {r['loss']:.4f}{extra}")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.echo()
+        return False
+
+
 def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Optional[float]) -> dict:
     """Trains and evaluates one arm; failures are recorded in the result, not raised
     (except a user's Ctrl-C)."""
@@ -124,9 +156,11 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
     start = time.perf_counter()
     try:
         cfg = make_run_config(args, preset, arm, steps, run_dir)
-        with budget_lib.TimeLimit(train_limit_s) as limit:
+        show_bar = not args.no_progress and sys.stdout.isatty()
+        echo = _EchoMetrics(run_dir, arm) if not show_bar else contextlib.nullcontext()
+        with budget_lib.TimeLimit(train_limit_s) as limit, echo:
             try:
-                trained = loop.train(cfg, progress=not args.no_progress)
+                trained = loop.train(cfg, progress=show_bar)
             except KeyboardInterrupt:
                 if not limit.fired:
                     raise

@@ -18,19 +18,24 @@ from train.eval import (masking_probe, residual_probe, residual_ratio, run_ruler
 from train.experiments.presets import ComparePreset
 
 
+def jit_with_model(model, fn: Callable, static_argnames: tuple[str, ...] = ()) -> Callable:
+    """`fn(model, *args, **kwargs)` jitted over the model's state: returns a callable of
+    (*args, **kwargs) (one compile per input shape and static arguments)."""
+    graphdef, state = nnx.split(model)
+    jitted = jax.jit(lambda state, *a, **kw: fn(nnx.merge(graphdef, state), *a, **kw),
+                     static_argnames=static_argnames)
+    return functools.partial(jitted, state)
+
+
 def model_logits_fn(model) -> Callable:
     """A jitted `logits_fn(tokens_BT, *, segment_ids=None, ablate_attention_layers=()) -> [B,T,V]`
-    of an nnx language model (one compile per input shape and ablation)."""
-    graphdef, state = nnx.split(model)
-
-    @functools.partial(jax.jit, static_argnames="ablate")
-    def forward(state, tokens_BT, segments_BT, ablate):
-        return nnx.merge(graphdef, state)(tokens_BT, segment_ids=segments_BT,
-                                          ablate_attention_layers=ablate)
+    of a language model taking those arguments."""
+    forward = jit_with_model(model, lambda m, t, s, ablate: m(t, segment_ids=s, ablate_attention_layers=ablate),
+                             static_argnames=("ablate",))
 
     def logits_fn(tokens_BT, *, segment_ids=None, ablate_attention_layers=()):
         segments = None if segment_ids is None else jnp.asarray(segment_ids)
-        return forward(state, jnp.asarray(tokens_BT), segments, tuple(ablate_attention_layers))
+        return forward(jnp.asarray(tokens_BT), segments, ablate=tuple(ablate_attention_layers))
 
     return logits_fn
 
@@ -71,9 +76,11 @@ def evaluate_run(run_dir: str, preset: ComparePreset, *, log: Callable[[str], No
         log("  dS row-sum residual probe")
         rows = {k: (None if v is None else v[: preset.probe_rows]) for k, v in batches[0].items()}
         impl = dict(cfg.model.overrides).get("attention_implementation")
-        probe = lambda t, y: hooks.attention_probe(model, t, y, segment_ids=rows["segments"])  # noqa: E731
-        row_sums = functools.partial(hooks.row_sum_residuals, implementation=impl)
-        stats = residual_probe(probe, row_sums, rows, causal=True)
+        probe = jit_with_model(model, lambda m, t, y, s: hooks.attention_probe(m, t, y, segment_ids=s))
+        row_sums = jax.jit(functools.partial(hooks.row_sum_residuals, implementation=impl),
+                           static_argnames=("causal", "delta"))
+        segments = None if rows["segments"] is None else jnp.asarray(rows["segments"])
+        stats = residual_probe(lambda t, y: probe(jnp.asarray(t), jnp.asarray(y), segments), row_sums, rows)
         out["residuals"] = [dataclasses.asdict(s) for s in stats]
         out["residual_ratio_post"] = residual_ratio(stats)
         out["residual_ratio_pre"] = residual_ratio(stats, stage="pre_cast")
