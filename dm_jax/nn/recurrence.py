@@ -1,0 +1,184 @@
+"""Gated linear recurrences shared by the Gated DeltaNet, Mamba-2 (SSD) and KDA mixers.
+
+One state S [K, V] per (batch, head). With a per-step decay D_t = diag(exp(g_t)) (g_t <= 0,
+one value per head for GDN / Mamba-2, one per key channel for KDA) the two rules are
+
+  delta rule (GDN, KDA):   S_t = (I - b_t k_t k_t^T) D_t S_{t-1} + b_t k_t v_t^T
+  plain gated (Mamba-2):   S_t = D_t S_{t-1} + b_t k_t v_t^T
+  output:                  o_t = S_t^T q_t
+
+For a scalar decay D_t (I - b k k^T) = (I - b k k^T) D_t, so GDN's usual form
+S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T is the same rule.
+
+Both rules write S_t = D_t S_{t-1} + k_t u_t^T with the "pseudo value"
+  u_t = b_t (v_t - (D_t S_{t-1})^T k_t)   (delta rule)      u_t = b_t v_t   (plain).
+
+`recurrent_naive` runs this step by step (the reference). `recurrent_chunked` splits time into
+chunks of C steps. Inside a chunk starting from state S_0, with cumulative log decays
+G_r = sum_{s<=r} g_s and pair decays Dec_rj = exp(G_r - G_j) (j <= r):
+
+  D_r S_{r-1} = exp(G_r) S_0 + sum_{j<r} Dec_rj k_j u_j^T
+  => (I + A) U = diag(b) V - diag(b) (exp(G) * K) S_0,   A_rj = b_r <k_r, Dec_rj k_j>, j < r
+  o_r  = (exp(G_r) * q_r)^T S_0 + sum_{j<=r} <q_r, Dec_rj k_j> u_j
+  S_C  = exp(G_C) * S_0 + sum_j (Dec_Cj * k_j) u_j^T
+
+so everything except the C x C unit-lower-triangular solve and the small state update is a
+dense matmul; a `lax.scan` carries S across chunks (the WY/UT form of DeltaNet's chunked
+algorithm). Document boundaries (segment ids) reset the state: S_{t-1} := 0 whenever
+segment_t != segment_{t-1}; in the chunked form pairs (r, j) from different documents and
+the carried S_0 for positions past a boundary are masked out. All math runs in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from dm_jax.nn.sequence import document_starts
+
+
+def _check(q, k, v, g, b, segment_ids):
+  B, T, H, K = q.shape
+  if k.shape != (B, T, H, K):
+    raise ValueError(f"k: expected {(B, T, H, K)} like q, got {k.shape}")
+  if v.shape[:3] != (B, T, H):
+    raise ValueError(f"v: expected [B, T, H, V] = [{B}, {T}, {H}, V], got {v.shape}")
+  if g.shape not in ((B, T, H, 1), (B, T, H, K)):
+    raise ValueError(f"log_decay: expected {(B, T, H, 1)} or {(B, T, H, K)}, got {g.shape}")
+  if b.shape != (B, T, H):
+    raise ValueError(f"beta: expected {(B, T, H)}, got {b.shape}")
+  if segment_ids is not None and segment_ids.shape != (B, T):
+    raise ValueError(f"segment_ids: expected {(B, T)}, got {segment_ids.shape}")
+
+
+def _boundaries(segment_ids, B, T):
+  """reset_BT: True where a new document starts after t = 0 (state cleared before the step)."""
+  if segment_ids is None:
+    return jnp.zeros((B, T), bool)
+  return document_starts(segment_ids).at[:, 0].set(False)
+
+
+def recurrent_naive(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, *, delta_rule: bool,
+                    segment_ids=None, initial_state_BHKV=None):
+  """Step-by-step reference. log_decay G is 1 (per head) or K (per key channel).
+
+  Returns (o_BTHV float32, final state_BHKV float32).
+  """
+  _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
+  B, T, H, K = q_BTHK.shape
+  V = v_BTHV.shape[-1]
+  f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # time-major for the scan
+  xs = (f32(q_BTHK), f32(k_BTHK), f32(v_BTHV), f32(log_decay_BTHG), f32(beta_BTH),
+        jnp.moveaxis(_boundaries(segment_ids, B, T), 1, 0))
+  S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state_BHKV is None
+        else initial_state_BHKV.astype(jnp.float32))
+
+  def step(S, x):
+    q, k, v, g, b, reset = x
+    S = jnp.where(reset[:, None, None, None], 0.0, S)
+    DS = jnp.exp(g)[..., None] * S  # D_t S_{t-1}: decay rows (key channels)
+    if delta_rule:
+      u = b[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", DS, k))
+    else:
+      u = b[..., None] * v
+    S = DS + k[..., :, None] * u[..., None, :]
+    return S, jnp.einsum("bhkv,bhk->bhv", S, q)
+
+  S, o = jax.lax.scan(step, S0, xs)
+  return jnp.moveaxis(o, 0, 1), S
+
+
+def _pair(a_rK, b_jK, dec_rjG):
+  """sum_c a_rc b_jc Dec_rjc; for a per-head decay (G = 1) a plain matmul times Dec."""
+  if dec_rjG.shape[-1] == 1:
+    return jnp.einsum("...rc,...jc->...rj", a_rK, b_jK) * dec_rjG[..., 0]
+  return jnp.einsum("...rc,...jc,...rjc->...rj", a_rK, b_jK, dec_rjG)
+
+
+def recurrent_chunked(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, *, delta_rule: bool,
+                      segment_ids=None, initial_state_BHKV=None, chunk_size: int = 64):
+  """Chunked parallel form of `recurrent_naive` (same arguments, same results)."""
+  _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
+  if chunk_size <= 0:
+    raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+  B, T, H, K = q_BTHK.shape
+  V, G = v_BTHV.shape[-1], log_decay_BTHG.shape[-1]
+  C = min(chunk_size, T)
+  N = -(-T // C)
+  pad = N * C - T
+  seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
+         else segment_ids.astype(jnp.int32))
+  prev_seg = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
+
+  def chunks(x):
+    # [B, T, H, ...] -> [N, B, H, C, ...]; padded steps have k = v = b = g = 0 (no effect).
+    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(B, N, C, *x.shape[2:])
+    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+
+  q, k, v, g = (chunks(x) for x in (q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG))
+  b = chunks(beta_BTH)[..., None]  # [N, B, H, C, 1]
+  seg_c = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge").reshape(B, N, C)
+  seg_c = jnp.moveaxis(seg_c, 1, 0)[:, :, None]  # [N, B, 1, C]
+  seg_prev = jnp.moveaxis(prev_seg[:, ::C][:, :N], 1, 0)[:, :, None, None]  # [N, B, 1, 1]
+
+  Gc = jnp.cumsum(g, axis=-2)  # G_r: [N, B, H, C, G]
+  idx = jnp.arange(C)
+  same = (seg_c[..., :, None] == seg_c[..., None, :]) & (idx[:, None] >= idx[None, :])
+  diff = Gc[..., :, None, :] - Gc[..., None, :, :]  # G_r - G_j: [N, B, H, C, C, G]
+  dec = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))  # Dec_rj, zero unless j <= r
+  carried = (seg_c == seg_prev)[..., None]  # positions still in the chunk's first document
+  gam = jnp.exp(Gc) * carried  # exp(G_r), masked after a boundary: [N, B, H, C, G]
+
+  if delta_rule:
+    strict = (idx[:, None] > idx[None, :])
+    A = b * _pair(k, k, dec) * strict  # A_rj = b_r <k_r, Dec_rj k_j>, j < r
+    L = A + jnp.eye(C, dtype=A.dtype)
+    u_part = solve_triangular(L, b * v, lower=True, unit_diagonal=True)
+    w_part = solve_triangular(L, b * gam * k, lower=True, unit_diagonal=True)
+  else:
+    u_part, w_part = b * v, jnp.zeros_like(k)
+  P = _pair(q, k, dec)  # <q_r, Dec_rj k_j>, j <= r
+  qg = gam * q
+  k_end = dec[..., -1, :, :] * k  # Dec_Cj * k_j
+  gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # [N, B, H, G, 1]
+
+  def step(S, x):
+    u_p, w_p, P_c, qg_c, k_end_c, gam_end_c = x
+    u = u_p - w_p @ S  # U = (I+A)^-1 (b V) - (I+A)^-1 (b exp(G) K) S_0
+    o = qg_c @ S + P_c @ u
+    S = gam_end_c * S + jnp.swapaxes(k_end_c, -1, -2) @ u
+    return S, o
+
+  S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state_BHKV is None
+        else initial_state_BHKV.astype(jnp.float32))
+  S, o = jax.lax.scan(step, S0, (u_part, w_part, P, qg, k_end, gam_end))
+  o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
+  return o, S
+
+
+IMPLEMENTATIONS = {"chunked": recurrent_chunked, "naive": recurrent_naive}
+
+
+def run_recurrence(q, k, v, log_decay, beta, *, delta_rule: bool, segment_ids=None,
+                   impl: str = "chunked", chunk_size: int = 64):
+  """Dispatch to the chunked (default) or naive form; returns o_BTHV in float32."""
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+  kw = {"chunk_size": chunk_size} if impl == "chunked" else {}
+  o, _ = IMPLEMENTATIONS[impl](q, k, v, log_decay, beta, delta_rule=delta_rule,
+                               segment_ids=segment_ids, **kw)
+  return o
+
+
+def init_log_A(key, shape, lo: float = 1.0, hi: float = 16.0):
+  """A_log with A = exp(A_log) ~ U[lo, hi]: per-step log decay is -A * softplus(.)."""
+  return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi))
+
+
+def init_dt_bias(key, shape, dt_min: float = 1e-3, dt_max: float = 0.1):
+  """Bias b with softplus(b) = dt, dt log-uniform in [dt_min, dt_max] (Mamba's init)."""
+  u = jax.random.uniform(key, shape, jnp.float32)
+  dt = jnp.exp(u * (jnp.log(dt_max) - jnp.log(dt_min)) + jnp.log(dt_min))
+  return dt + jnp.log(-jnp.expm1(-dt))  # inverse softplus
