@@ -139,10 +139,7 @@ def dq_pass(
     q, do: QuantizedTensor [B, Hq, Tp, D]; k (with ``values_t``), v: [B, Hkv, Sp, D];
     lse, delta: [B, Hq, Tp] f32.
     """
-    b, hq, tp, dqk = q.values.shape
-    hkv, sp = k.values.shape[1], k.values.shape[2]
-    dv = v.values.shape[3]
-    group = hq // hkv
+    b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
     specs = common.QueryGridSpecs(block_q, group)
     in_specs = [
         specs.q_tile(dqk), specs.q_rows(), specs.kv_whole(sp, dqk), specs.kv_rows(sp),
@@ -184,10 +181,7 @@ def dkdv_pass(
 
     q, do: QuantizedTensor [B, Hq, Tp, D] with ``values_t``; k, v: [B, Hkv, Sp, D].
     """
-    b, hq, tp, dqk = q.values.shape
-    hkv, sp = k.values.shape[1], k.values.shape[2]
-    dv = v.values.shape[3]
-    group = hq // hkv
+    b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
 
     def grouped(x):  # [B, Hq, ...] -> [B, Hkv, G, ...]: the group's query heads together
         return x.reshape((b, hkv, group) + x.shape[2:])

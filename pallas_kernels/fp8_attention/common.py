@@ -101,6 +101,25 @@ def causal_first_query_block(k_block_index, block_q, block_k, mask: MaskSpec):
     return (k_block_index * block_k) // block_q
 
 
+class Dims(NamedTuple):
+    b: int
+    hq: int
+    tp: int  # padded queries
+    dqk: int  # padded head dims
+    hkv: int
+    sp: int  # padded keys
+    dv: int
+    group: int  # query heads per kv head
+
+
+def dims(q, k, v) -> Dims:
+    """Sizes of quantized operands q [B, Hq, Tp, Dqk], k [B, Hkv, Sp, Dqk], v [.., Sp, Dv]."""
+    b, hq, tp, dqk = q.values.shape
+    hkv, sp = k.values.shape[1], k.values.shape[2]
+    dv = v.values.shape[3] if v.values is not None else v.values_t.shape[2]
+    return Dims(b, hq, tp, dqk, hkv, sp, dv, hq // hkv)
+
+
 class QueryGridSpecs:
     """BlockSpecs of a pass whose grid is (query tile, batch, query head).
 

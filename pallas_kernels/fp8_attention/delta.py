@@ -78,10 +78,7 @@ def matched_delta(
     q, do: QuantizedTensor [B, Hq, Tp, D]; k, v: [B, Hkv, Sp, D]; lse [B, Hq, Tp].
     Tiles must be the backward's (bwd_block_q, bwd_block_k).
     """
-    b, hq, tp, dqk = q.values.shape
-    hkv, sp = k.values.shape[1], k.values.shape[2]
-    dv = v.values.shape[3]
-    group = hq // hkv
+    b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
     specs = common.QueryGridSpecs(block_q, group)
     in_specs = [
         specs.q_tile(dqk), specs.q_rows(), specs.kv_whole(sp, dqk), specs.kv_rows(sp),

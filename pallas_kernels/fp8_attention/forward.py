@@ -80,10 +80,7 @@ def forward(
     Returns:
       o [B, Hq, Tp, Dv] in ``out_dtype``, lse [B, Hq, Tp] f32.
     """
-    b, hq, tp, dqk = q.values.shape
-    hkv, sp = k.values.shape[1], k.values.shape[2]
-    dv = v.values_t.shape[2]
-    group = hq // hkv
+    b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
     grid = (tp // block_q, b, hq)
     kernel = functools.partial(
         _forward_kernel, mask=mask, sm_scale=sm_scale, precision=precision,
