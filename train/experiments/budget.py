@@ -37,6 +37,7 @@ def calibrate(make_config: Callable[[int, str, int], object], scratch_dir: str, 
     """
     if steps < 4:
         raise ValueError(f"steps: calibration needs >= 4 steps, got {steps}")
+    shutil.rmtree(scratch_dir, ignore_errors=True)  # left by an interrupted comparison
     cfg = make_config(steps, scratch_dir, steps // 2)
     start = time.perf_counter()
     try:

@@ -105,7 +105,7 @@ def make_run_config(args, preset: presets.ComparePreset, arm: str, steps: int, r
     return config_lib.parse_args(argv)
 
 
-def _train_summary(rows: Sequence[dict], steps: int) -> dict:
+def _train_summary(rows: Sequence[dict]) -> dict:
     """Final train CE (mean of logged losses over the last 10% of steps) and median tokens/s."""
     losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))
               and r["step"] >= 0.9 * rows[-1]["step"]]
@@ -130,8 +130,8 @@ class _EchoMetrics:
     def echo(self):
         for r in metrics.read_metrics(self.run_dir)[self._seen:]:
             self._seen += 1
-            extra = "".join(f"  {k} {r[k]:.4g}" for k in ("val_ce", "tokens_per_s") if isinstance(r.get(k), (int, float)))
-            console.print(f"  [{self.label}] step {r['step']}  loss {r['loss']:.4f}{extra}")
+            shown = "".join(f"  {k} {report.fmt(r.get(k), '.4g')}" for k in ("loss", "val_ce", "tokens_per_s") if k in r)
+            console.print(f"  [{self.label}] step {r['step']}{shown}")
 
     def __enter__(self):
         self._thread.start()
@@ -179,7 +179,7 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
     result["train_seconds"] = time.perf_counter() - start
     rows = metrics.read_metrics(run_dir)
     if rows:
-        result.update(_train_summary(rows, steps), steps=result["steps"] or rows[-1]["step"])
+        result.update(_train_summary(rows), steps=result["steps"] or rows[-1]["step"])
     start = time.perf_counter()
     try:
         result.update(evaluate.evaluate_run(run_dir, preset, log=console.print))
@@ -210,11 +210,18 @@ def _plan_steps(args, preset, arms: Sequence[str], runs_dir: str) -> tuple[int, 
     runnable = [a for a in arms if presets.unavailable_reason(a) is None]
     if not runnable:
         return args.steps or preset.steps, reserve_s, {}
-    console.print(f"[bold]calibrating[/bold] {runnable[0]} ({args.calibration_steps} steps)")
-    start = time.perf_counter()
-    cal = budget_lib.calibrate(
-        lambda steps, run_dir, log_every: make_run_config(args, preset, runnable[0], steps, run_dir, log_every),
-        os.path.join(runs_dir, "_calibration"), steps=args.calibration_steps)
+    start, cal = time.perf_counter(), None
+    for arm in runnable:  # the first arm that trains at all sets the pace
+        console.print(f"[bold]calibrating[/bold] on {arm} ({args.calibration_steps} steps)")
+        try:
+            cal = budget_lib.calibrate(
+                lambda steps, run_dir, log_every: make_run_config(args, preset, arm, steps, run_dir, log_every),
+                os.path.join(runs_dir, "_calibration"), steps=args.calibration_steps)
+            break
+        except (Exception, SystemExit) as e:
+            console.print(f"  calibration on {arm} failed ({type(e).__name__}: {e}); trying the next arm")
+    if cal is None:
+        return args.steps or preset.steps, reserve_s, {}
     calibration_s = time.perf_counter() - start
     # The calibration is charged to the first arm's budget, so it bounds the common step count.
     steps = budget_lib.steps_for_budget(cal, budget_s - calibration_s, reserve_s=reserve_s)
@@ -294,9 +301,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         console.print(f"{arm}: {result['status']}" + (f" ({result['reason']})" if result.get("reason") else ""))
         finish(out, arms, setup)  # a report after every arm: a killed run still leaves one
     path = finish(out, arms, setup)
-    console.print(f"[bold]report:[/bold] {path}")
     with open(path) as f:
-        console.print("\n".join(line for line in f.read().split("\n## Plots")[0].splitlines()[-len(arms) - 2:]))
+        table = f.read().split("## Summary\n\n")[1].split("\n\n")[0]
+    console.print(table, soft_wrap=True)
+    console.print(f"[bold]report:[/bold] {path}")
     return 0
 
 

@@ -16,7 +16,8 @@ import os
 from typing import Mapping, Sequence
 
 
-def _fmt(x, spec: str = ".4f") -> str:
+def fmt(x, spec: str = ".4f") -> str:
+    """`x` formatted with `spec`; "-" for None and NaN; strings (e.g. "nan") as they are."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
     return format(x, spec) if isinstance(x, (int, float)) else str(x)
@@ -46,15 +47,15 @@ def summary_table(results: Sequence[Mapping]) -> list[str]:
     for r in results:
         gains = (r.get("gains") or {}).values()
         summ = r.get("ruler_summary") or {}
-        ruler = [f"{_fmt((summ.get(n) or {}).get('exact_match'), '.3f')} / "
-                 f"{_fmt((summ.get(n) or {}).get('gold_logprob'), '.3f')}" for n in lengths]
-        rows.append([r["arm"], r["status"], _fmt(r.get("steps"), "d"), _fmt(r.get("train_ce")),
-                     _fmt(r.get("val_ce"))] + ruler + [
-            _fmt(max((g["max_gain"] for g in gains), default=None), ".3f"),
-            _fmt(max((g["top1_share"] for g in gains), default=None), ".3f"),
-            _fmt((r.get("masking") or {}).get("increase")),
-            _fmt(_mean((r.get("residual_ratio_post") or {}).values()), ".2f"),
-            _fmt(r.get("tokens_per_s"), ",.0f")])
+        ruler = [f"{fmt((summ.get(n) or {}).get('exact_match'), '.3f')} / "
+                 f"{fmt((summ.get(n) or {}).get('gold_logprob'), '.3f')}" for n in lengths]
+        rows.append([r["arm"], r["status"], fmt(r.get("steps"), "d"), fmt(r.get("train_ce")),
+                     fmt(r.get("val_ce"))] + ruler + [
+            fmt(max((g["max_gain"] for g in gains), default=None), ".3f"),
+            fmt(max((g["top1_share"] for g in gains), default=None), ".3f"),
+            fmt((r.get("masking") or {}).get("increase")),
+            fmt(_mean((r.get("residual_ratio_post") or {}).values()), ".2f"),
+            fmt(r.get("tokens_per_s"), ",.0f")])
     return _table(header, rows)
 
 
@@ -65,8 +66,8 @@ def arm_section(r: Mapping) -> list[str]:
         lines += [f"Status: **{r['status']}**: {r['reason']}", ""]
     if r["status"] == "not run":
         return lines
-    lines += [f"Trained {_fmt(r.get('steps'), 'd')} steps in {_fmt(r.get('train_seconds'), '.0f')} s; "
-              f"evaluated in {_fmt(r.get('eval_seconds'), '.0f')} s.", ""]
+    lines += [f"Trained {fmt(r.get('steps'), 'd')} steps in {fmt(r.get('train_seconds'), '.0f')} s; "
+              f"evaluated in {fmt(r.get('eval_seconds'), '.0f')} s.", ""]
     gains, res = r.get("gains") or {}, r.get("residuals") or []
     layers = sorted({int(k) for k in gains} | {int(x["layer"]) for x in res})
     modes = list(dict.fromkeys(x["delta"] for x in res))
@@ -77,19 +78,19 @@ def arm_section(r: Mapping) -> list[str]:
         rows = []
         for layer in layers:
             g = gains.get(str(layer), gains.get(layer, {}))
-            rows.append([str(layer), _fmt(g.get("max_gain"), ".3f"), _fmt(g.get("top1_share"), ".3f"),
-                         _fmt(g.get("top4_share"), ".3f")] + [
-                f"{_fmt(by.get((layer, m), {}).get('pre_cast'), '.2e')} / "
-                f"{_fmt(by.get((layer, m), {}).get('post_cast'), '.2e')}" for m in modes])
+            rows.append([str(layer), fmt(g.get("max_gain"), ".3f"), fmt(g.get("top1_share"), ".3f"),
+                         fmt(g.get("top4_share"), ".3f")] + [
+                f"{fmt(by.get((layer, m), {}).get('pre_cast'), '.2e')} / "
+                f"{fmt(by.get((layer, m), {}).get('post_cast'), '.2e')}" for m in modes])
         lines += _table(header, rows) + [""]
     m = r.get("masking")
     if m:
         lines += [f"Masking probe (attention layer {m['layer']} output zeroed): validation CE "
-                  f"{_fmt(m['ce'])} -> {_fmt(m['ce_masked'])} (+{_fmt(m['increase'])}).", ""]
+                  f"{fmt(m['ce'])} -> {fmt(m['ce_masked'])} (+{fmt(m['increase'])}).", ""]
     if r.get("ruler"):
         lines += _table(["task", "context", "n", "exact match", "partial match", "gold logprob/token"],
-                        [[s["task"], str(s["context_length"]), str(s["n"]), _fmt(s["exact_match"], ".3f"),
-                          _fmt(s["partial_match"], ".3f"), _fmt(s["gold_logprob"], ".3f")] for s in r["ruler"]])
+                        [[s["task"], str(s["context_length"]), str(s["n"]), fmt(s["exact_match"], ".3f"),
+                          fmt(s["partial_match"], ".3f"), fmt(s["gold_logprob"], ".3f")] for s in r["ruler"]])
         lines.append("")
     return lines
 
