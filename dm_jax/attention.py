@@ -135,6 +135,10 @@ def _check_inputs(q, k, v, delta, precision, scale, segment_ids, implementation)
     s = k.shape[1]
     if segment_ids is not None and not isinstance(segment_ids, (tuple, list)) and t != s:
         _fail("segment_ids", f"a (q_ids [B, {t}], kv_ids [B, {s}]) pair because T != S", "one array")
+    if segment_ids is not None:
+        raw = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids,)
+        if any(not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer) for ids in raw):
+            _fail("segment_ids", "an integer dtype", [jnp.asarray(ids).dtype for ids in raw])
     q_ids, kv_ids = split_segment_ids(segment_ids)
     for name, ids, n in (("q segment_ids", q_ids, t), ("kv segment_ids", kv_ids, s)):
         if ids is not None and tuple(ids.shape) != (b, n):

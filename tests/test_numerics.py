@@ -1,0 +1,85 @@
+"""The FP8 rules of dm_jax.numerics: scales, saturation, NaN, rounding."""
+import math
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dm_jax import numerics
+
+
+def test_pow2_scale_is_exact_floor_log2_of_448_over_amax():
+    rng = np.random.default_rng(0)
+    amax = rng.lognormal(0.0, 8.0, 5000).astype(np.float32)
+    amax = np.concatenate([amax, np.float32([448, 224, 1, 1.75, np.nextafter(1.75, 2), 3.5, 0.5])])
+    got = np.asarray(numerics.pow2_scale(jnp.asarray(amax)))
+    for a, s in zip(amax, got):
+        want = 2.0 ** min(126, max(-126, math.floor(math.log2(448.0 / float(a)))))
+        assert s == want, (a, s, want)
+        # a power of two: decoding is exact and the scaled amax never exceeds 448
+        assert math.frexp(float(s))[0] == 0.5
+        assert float(a) * float(s) <= 448.0
+
+
+def test_amax_zero_gives_scale_one():
+    assert float(numerics.pow2_scale(0.0)) == 1.0
+    x = jnp.zeros((1, 1, 130, 8))
+    np.testing.assert_array_equal(numerics.token_block_scales(x), np.ones((1, 1, 2)))
+
+
+def test_decode_of_power_of_two_scales_is_exact():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 64)).astype(np.float32) * 37.0
+    scale = numerics.pow2_scale(numerics.finite_amax(x))
+    x8 = numerics.quantize(x, scale)
+    decoded = np.asarray(numerics.dequantize(x8, scale))
+    # decoding must equal the E4M3 value divided by the scale, with no further rounding
+    expected = np.asarray(x8.astype(jnp.float32)).astype(np.float64) / float(scale)
+    np.testing.assert_array_equal(decoded.astype(np.float64), expected)
+
+
+def test_finite_overflow_saturates_instead_of_nan():
+    x8 = numerics.quantize(jnp.float32([1e6, -1e6, 449.0, 447.9]), 1.0)
+    np.testing.assert_array_equal(np.asarray(x8.astype(jnp.float32)), [448, -448, 448, 448])
+
+
+def test_nan_and_inf_propagate_and_do_not_poison_the_scale():
+    x = jnp.float32([1.0, jnp.nan, 2.0, jnp.inf, -jnp.inf, 3.0])
+    amax = numerics.finite_amax(x)
+    assert float(amax) == 3.0
+    x8 = numerics.quantize(x, numerics.pow2_scale(amax)).astype(jnp.float32)
+    out = np.asarray(x8)
+    assert np.isnan(out[[1, 3, 4]]).all()
+    assert np.isfinite(out[[0, 2, 5]]).all()
+
+
+def test_e4m3_rounding_matches_ml_dtypes():
+    rng = np.random.default_rng(2)
+    x = np.concatenate([rng.standard_normal(20000) * 100, rng.uniform(-448, 448, 20000)]).astype(np.float32)
+    got = np.asarray(numerics.quantize(jnp.asarray(x), 1.0).astype(jnp.float32))
+    want = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_token_block_scales_cover_each_128_token_block():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 300, 16)).astype(np.float32)
+    x[1, 2, 200, 5] = 1000.0  # only block 1 of (batch 1, head 2) sees it
+    scales = np.asarray(numerics.token_block_scales(jnp.asarray(x)))
+    assert scales.shape == (2, 3, 3)
+    assert scales[1, 2, 1] == 0.25 and scales[1, 2, 0] > 1 and scales[1, 2, 2] > 1
+    for blk in range(3):
+        amax = np.abs(x[:, :, blk * 128:(blk + 1) * 128]).max(axis=(-2, -1))
+        np.testing.assert_array_equal(scales[..., blk], np.asarray(numerics.pow2_scale(amax)))
+
+
+@pytest.mark.parametrize("precision", ["fp8", "bf16"])
+def test_cast_operand_dtypes(precision):
+    x = numerics.cast_operand(jnp.ones((4,)), 1.0, precision)
+    assert x.dtype == numerics.operand_dtype(precision)
+
+
+def test_cast_operand_rejects_unknown_precision():
+    with pytest.raises(ValueError, match="precision"):
+        numerics.cast_operand(jnp.ones((4,)), 1.0, "fp4")
