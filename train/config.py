@@ -198,12 +198,9 @@ class RunConfig:
                    optimizer=OptimizerConfig(**d.pop("optimizer")),
                    **{k: v for k, v in d.items() if k in known})
 
-    def save(self, run_dir: str) -> None:
-        try:  # the resolved model config, for reading (a stand-in model may have none)
-            model_config = _jsonable(self.model_config)
-        except (ImportError, AttributeError, KeyError, ValueError):
-            model_config = None
-        payload = {"run_config": self.to_dict(), "model_config": model_config}
+    def save(self, run_dir: str, model_config=None) -> None:
+        """Writes config.json; `model_config` (the built model's config) is stored for reading."""
+        payload = {"run_config": self.to_dict(), "model_config": _jsonable(model_config)}
         tmp = os.path.join(run_dir, "config.json.tmp")
         with open(tmp, "w") as f:
             json.dump(payload, f, indent=2, sort_keys=True)

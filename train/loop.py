@@ -9,6 +9,7 @@ device; a NaN/Inf stops the run before the next checkpoint, so the last good one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -50,31 +51,47 @@ def _masked_ce_sums(graphdef, rest, params, batch):
     return jnp.sum(ce_BT * batch["mask"]), jnp.sum(batch["mask"])
 
 
+def _grad_sums(graphdef, rest, params, batch):
+    """(CE sum, target count, gradient of the CE sum) for one shard."""
+    (ce_sum, count), grads = jax.value_and_grad(
+        lambda p: _masked_ce_sums(graphdef, rest, p, batch), has_aux=True)(params)
+    return ce_sum, count, grads
+
+
+def _apply_update(tx, params, opt_state, ce_sum, count, grads):
+    """Mean gradients from global sums -> optax update; returns (params, opt_state, stats)."""
+    count = jnp.maximum(count, 1.0)
+    grads = jax.tree.map(lambda g: g / count, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, dict(loss=ce_sum / count, grad_norm=optax.global_norm(grads))
+
+
 def make_step_fns(graphdef, rest, tx, mesh):
-    """(train_step, eval_step), both jitted.
+    """(train_step, eval_step), jitted over `mesh` (per-shard sums inside shard_map).
 
     train_step(params, opt_state, batch) -> (params, opt_state, stats)
     eval_step(params, batch) -> (ce_sum, count)
     """
-
-    def grad_sums(params, batch):
-        (ce_sum, count), grads = jax.value_and_grad(
-            lambda p: _masked_ce_sums(graphdef, rest, p, batch), has_aux=True)(params)
-        return ce_sum, count, grads
-
-    sharded_grads = parallel.per_shard_sums(grad_sums, mesh)
-    sharded_eval = parallel.per_shard_sums(lambda p, b: _masked_ce_sums(graphdef, rest, p, b), mesh)
+    sharded_grads = parallel.per_shard_sums(functools.partial(_grad_sums, graphdef, rest), mesh)
+    sharded_eval = parallel.per_shard_sums(functools.partial(_masked_ce_sums, graphdef, rest), mesh)
 
     @jax.jit
     def train_step(params, opt_state, batch):
-        ce_sum, count, grads = sharded_grads(params, batch)
-        count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, dict(loss=ce_sum / count, grad_norm=optax.global_norm(grads))
+        return _apply_update(tx, params, opt_state, *sharded_grads(params, batch))
 
     return train_step, jax.jit(sharded_eval)
+
+
+def make_pmap_step(graphdef, rest, tx, axis_name: str = "devices"):
+    """The same train step under `jax.pmap`: params/opt_state replicated with a leading device
+    axis, batch leaves [n_devices, B/n_devices, T]."""
+
+    def step(params, opt_state, batch):
+        sums = jax.lax.psum(_grad_sums(graphdef, rest, params, batch), axis_name)
+        return _apply_update(tx, params, opt_state, *sums)
+
+    return jax.pmap(step, axis_name=axis_name)
 
 
 def _prepare_run_dir(cfg) -> Optional[config_lib.RunConfig]:
@@ -182,7 +199,7 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
         trees, meta = ckpt_lib.Checkpointer(directory, read_only=True).restore(templates, init_step)
         params, opt_state = trees["params"], trees.get("opt_state", opt_state)
         console.note(f"initialized from {cfg.init_from} (step {meta['step']})")
-    config_lib.RunConfig.save(cfg, cfg.run_dir)
+    cfg.save(cfg.run_dir, getattr(model, "config", None))
 
     params, opt_state = parallel.shard_params(params, mesh), parallel.shard_params(opt_state, mesh)
     train_step, eval_step = make_step_fns(graphdef, rest, tx, mesh)
