@@ -19,8 +19,6 @@ constant along every contraction dimension, so all three matmuls of a linear lay
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -48,28 +46,28 @@ def _dot(a, b, contract):
                              preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, out_dtype=jnp.bfloat16) -> jax.Array:
-  """y_MN = x_MK @ w_KN with both operands in FP8 (current per-tensor scales)."""
-  y, _ = _fp8_matmul_fwd(x_MK, w_KN, out_dtype)
+@jax.custom_vjp
+def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
+  """y_MN (float32) = x_MK @ w_KN with both operands in FP8 (current per-tensor scales)."""
+  y, _ = _fp8_matmul_fwd(x_MK, w_KN)
   return y
 
 
-def _fp8_matmul_fwd(x_MK, w_KN, out_dtype):
+def _fp8_matmul_fwd(x_MK, w_KN):
   sx, sw = current_scale(x_MK), current_scale(w_KN)
   x8, w8 = quantize(x_MK, sx), quantize(w_KN, sw)
   y = _dot(x8, w8, ((1,), (0,))) / (sx * sw)  # y = (x^ W^) / (s_x s_w), FP32 accumulate
-  return y.astype(out_dtype), (x8, w8, sx, sw, x_MK.dtype, w_KN.dtype)
+  like = (jnp.zeros((0,), x_MK.dtype), jnp.zeros((0,), w_KN.dtype))  # dtypes, as arrays
+  return y, (x8, w8, sx, sw, like)
 
 
-def _fp8_matmul_bwd(out_dtype, res, dy_MN):
-  del out_dtype
-  x8, w8, sx, sw, x_dtype, w_dtype = res
+def _fp8_matmul_bwd(res, dy_MN):
+  x8, w8, sx, sw, (x_like, w_like) = res
   sg = current_scale(dy_MN)
   g8 = quantize(dy_MN, sg)
   dx = _dot(g8, w8, ((1,), (1,))) / (sg * sw)  # dx = dy^ W^^T
   dw = _dot(x8, g8, ((0,), (0,))) / (sx * sg)  # dW = x^^T dy^
-  return dx.astype(x_dtype), dw.astype(w_dtype)
+  return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
 
 
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -104,7 +102,7 @@ class Linear(nnx.Module):
     x_MK = x_XK.reshape(-1, self.in_features).astype(self.dtype)
     w = self.kernel.get_value()
     if self.fp8:
-      y = fp8_matmul(x_MK, w, self.dtype)
+      y = fp8_matmul(x_MK, w).astype(self.dtype)
     else:
       y = _dot(x_MK, w.astype(self.dtype), ((1,), (0,))).astype(self.dtype)
     if self.bias is not None:
