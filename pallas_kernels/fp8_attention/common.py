@@ -33,6 +33,11 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def kernel_name(base: str, fast_accumulation: bool) -> str:
+    """pallas_call name; kernels lowered with fast FP8 accumulation get their own."""
+    return base + ("_fastacc" if fast_accumulation else "")
+
+
 def dot_nt(a, b):
     """a @ b^T with f32 accumulation: a [m, d], b [n, d] (both contract their last dim)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)

@@ -23,6 +23,9 @@ class BlockSizes:
     num_stages: int = 2
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
+    # Kernels lowered under fast_accumulation.fast_fp8_accumulation() (benchmarks only):
+    # renames the kernels so they never share a compilation cache entry with precise ones.
+    fast_accumulation: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):

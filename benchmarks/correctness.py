@@ -1,0 +1,164 @@
+"""GPU correctness of the Pallas kernels at realistic sizes.
+
+For each head dim, causal or not, and every delta mode: the kernels (implementation
+"pallas") against the blockwise emulation of the same numerics (dm_jax.reference, same
+tiles) and against high-precision attention (mha_reference, f32), under a random dO;
+plus the normalized pre-/post-cast dS row sums |sum_j dS_ij| / sum_j |dS_ij|.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/correctness.py --out $OUT
+
+Prints a table and writes correctness.json (one record per case and mode).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dm_jax import reference
+from dm_jax.attention import AttentionConfig
+from dm_jax.backends import BACKENDS
+from pallas_kernels.fp8_attention.config import default_block_sizes
+from tests.shapes import DELTA_MODES, HEAD_DIMS, Case, gpu_cases
+
+FIELDS = ("out", "dq", "dk", "dv")
+
+
+def max_rel(a, b):
+    """max |a - b| / max |b| over finite entries (f32 on the device, one number back)."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    fin = jnp.isfinite(b)
+    err = jnp.max(jnp.where(fin, jnp.abs(a - b), 0.0))
+    return float(err / jnp.maximum(jnp.max(jnp.where(fin, jnp.abs(b), 0.0)), 1e-30))
+
+
+def fro_rel(a, b):
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+def row_ratio(rowsum, abssum):
+    r = jnp.abs(rowsum) / jnp.where(abssum == 0, 1.0, abssum)
+    return float(jnp.max(r)), float(jnp.median(r))
+
+
+def run_case(case: Case, modes, with_reference=True, implementation="pallas"):
+    """Records (one per delta mode) for one shape."""
+    q, k, v, do = case.arrays(seed=0)
+    ids = case.segment_ids()
+    q_ids, kv_ids = ids if ids is not None else (None, None)
+    bs = default_block_sizes(case.dqk, case.dv)
+
+    def config(mode, impl):
+        return AttentionConfig(case.causal, mode, case.precision, case.dqk ** -0.5, impl, bs)
+
+    kern, ref = BACKENDS[implementation], BACKENDS["reference"]
+    fwd = jax.jit(lambda q, k, v, qi, ki, c: kern.forward(q, k, v, qi, ki, config=c),
+                  static_argnums=5)
+    out, lse = fwd(q, k, v, q_ids, kv_ids, config(modes[0], implementation))
+
+    def hp_fn(q, k, v, do):
+        def f(q, k, v):
+            return reference.mha_reference(q, k, v, causal=case.causal, segment_ids=ids)
+
+        o, vjp = jax.vjp(f, q, k, v)
+        return (o,) + vjp(do)
+
+    hp = jax.jit(hp_fn)(q, k, v, do)
+    if with_reference:
+        r_out, r_lse = jax.jit(lambda q, k, v, qi, ki, c: ref.forward(q, k, v, qi, ki, config=c),
+                               static_argnums=5)(q, k, v, q_ids, kv_ids, config(modes[0], "reference"))
+    records = []
+    for mode in modes:
+        t0 = time.time()
+        c = config(mode, implementation)
+        bwd = jax.jit(lambda *a, c=c: kern.backward(*a, config=c))
+        g = bwd(q, k, v, out, lse, do, q_ids, kv_ids)
+        rec = dict(case=case.name, b=case.b, t=case.t, hq=case.hq, hkv=case.hkv, dqk=case.dqk,
+                   dv=case.dv, causal=case.causal, segments=case.segment_len is not None,
+                   precision=case.precision, delta=mode)
+        for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
+            rec[f"hp_{name}"] = fro_rel(a, b)
+        rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
+        rec["post_max"], rec["post_median"] = row_ratio(g.ds_rowsum_post, g.ds_abssum_post)
+        rec["finite"] = bool(all(jnp.all(jnp.isfinite(x)) for x in (out, g.dq, g.dk, g.dv)))
+        if with_reference:
+            rc = config(mode, "reference")
+            rg = jax.jit(lambda *a, rc=rc: ref.backward(*a, config=rc))(
+                q, k, v, out, lse, do, q_ids, kv_ids)
+            rec["ref_out"] = max_rel(out, r_out)
+            for name in ("dq", "dk", "dv", "delta"):
+                rec[f"ref_{name}"] = max_rel(getattr(g, name), getattr(rg, name))
+            rec["ref_pre_max"], _ = row_ratio(rg.ds_rowsum_pre, rg.ds_abssum_pre)
+        rec["seconds"] = round(time.time() - t0, 1)
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+    return records
+
+
+def table(records):
+    cols = ["case", "delta", "precision", "ref_out", "ref_dq", "ref_dk", "ref_dv", "ref_delta",
+            "hp_out", "hp_dq", "hp_dk", "hp_dv", "pre_max", "pre_median", "post_median"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for r in records:
+        cells = []
+        for c in cols:
+            x = r.get(c, "-")
+            cells.append(f"{x:.2e}" if isinstance(x, float) else str(x))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds; later cases skipped")
+    parser.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
+    parser.add_argument("--implementation", default="pallas", help="pallas_interpret on a CPU")
+    args = parser.parse_args(argv)
+    start = time.time()
+    print("jax", jax.__version__, jax.devices(), flush=True)
+    plan = []
+    if args.quick:
+        plan.append((Case("smoke", 1, 300, 300, 4, 2, 64, 64, causal=True, segment_len=100),
+                     DELTA_MODES))
+    else:
+        # ragged lengths, GQA, segments: the out-of-bounds and mask paths on the GPU
+        plan.append((Case("T2000_d128_gqa_seg_causal", 2, 2000, 2000, 8, 2, 128, 128,
+                          causal=True, segment_len=700), DELTA_MODES))
+        for causal in (False, True):
+            for c in gpu_cases(4096, causal, "matched"):
+                plan.append((c, DELTA_MODES))
+        plan.append((gpu_cases(4096, False, "matched", head_dims=((128, 128),),
+                               precision="bf16")[0], ("matched", "stale")))
+        for causal in (False, True):
+            plan.append((gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0],
+                         DELTA_MODES))
+    records, failures = [], []
+    for case, modes in plan:
+        if time.time() - start > args.budget:
+            failures.append(dict(case=case.name, error="skipped: time budget"))
+            continue
+        try:
+            records += run_case(case, modes, implementation=args.implementation)
+        except Exception as e:  # keep going: one lowering failure must not lose the run
+            traceback.print_exc()
+            failures.append(dict(case=case.name, error=f"{type(e).__name__}: {str(e)[:2000]}"))
+    with open(os.path.join(args.out, "correctness.json"), "w") as f:
+        json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), records=records,
+                       failures=failures, seconds=time.time() - start), f, indent=1)
+    print(table(records))
+    for fl in failures:
+        print("FAILED", fl["case"], fl["error"][:300])
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

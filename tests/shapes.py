@@ -1,0 +1,88 @@
+"""Attention problem shapes shared by the kernel tests (CPU, interpret mode) and the GPU
+benchmarks (benchmarks/correctness.py, benchmarks/attention.py)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))  # (Dqk, Dv) we support and test
+DELTA_MODES = ("matched", "do_matched", "stale")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention problem: q [b, t, hq, dqk], k [b, s, hkv, dqk], v [b, s, hkv, dv]."""
+
+    name: str
+    b: int
+    t: int
+    s: int
+    hq: int
+    hkv: int
+    dqk: int
+    dv: int
+    causal: bool = False
+    segment_len: Optional[int] = None  # packed sequences: segment id = position // len
+    delta: str = "matched"
+    precision: str = "fp8"
+
+    def arrays(self, seed=0, dtype=jnp.float32):
+        """(q, k, v, do), unit normal."""
+        ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+        n = jax.random.normal
+        return (
+            n(ks[0], (self.b, self.t, self.hq, self.dqk), jnp.float32).astype(dtype),
+            n(ks[1], (self.b, self.s, self.hkv, self.dqk), jnp.float32).astype(dtype),
+            n(ks[2], (self.b, self.s, self.hkv, self.dv), jnp.float32).astype(dtype),
+            n(ks[3], (self.b, self.t, self.hq, self.dv), jnp.float32).astype(dtype),
+        )
+
+    def segment_ids(self):
+        """None, or (q_ids [b, t], kv_ids [b, s]); batch rows get shifted segment borders."""
+        if self.segment_len is None:
+            return None
+
+        def ids(n):
+            pos = jnp.arange(n)[None, :] + 17 * jnp.arange(self.b)[:, None]
+            return (pos // self.segment_len).astype(jnp.int32)
+
+        return ids(self.t), ids(self.s)
+
+    @property
+    def flops_fwd(self):
+        """Forward FLOPs of the two matmuls (causal halves them)."""
+        f = 2.0 * self.b * self.hq * self.t * self.s * (self.dqk + self.dv)
+        return f / 2 if self.causal else f
+
+
+# CPU interpret-mode cases: few, small, each covering several features at once.
+KERNEL_CASES = (
+    # ragged T = S (not a multiple of any tile), several key tiles, plain MHA
+    Case("mha_d64_ragged", 1, 200, 200, 2, 2, 64, 64, delta="matched"),
+    # GQA, causal, T != S (cross lengths), stale delta
+    Case("gqa_causal_cross", 1, 150, 230, 4, 2, 64, 64, causal=True, delta="stale"),
+    # MLA head dims (192 / 128), MQA, packed segments + causal, dO-matched delta
+    Case("mqa_mla_segments", 2, 192, 192, 2, 1, 192, 128, causal=True, segment_len=70,
+         delta="do_matched"),
+    # head dim 128 through the bf16 path
+    Case("d128_bf16", 1, 128, 128, 2, 1, 128, 128, delta="matched", precision="bf16"),
+    # head dim 256, causal
+    Case("d256_causal", 1, 96, 96, 1, 1, 256, 256, causal=True, delta="matched"),
+)
+
+
+def gpu_cases(t: int, causal: bool, delta: str, head_dims=HEAD_DIMS, precision="fp8"):
+    """Realistic GPU shapes: about 32 (batch x head) rows of 4096 tokens per head dim."""
+    b = max(1, 8192 // t)
+    out = []
+    for dqk, dv in head_dims:
+        hq = 16 if max(dqk, dv) <= 128 else 8
+        out.append(Case(f"T{t}_d{dqk}_{dv}{'_causal' if causal else ''}", b, t, t, hq, hq // 2,
+                        dqk, dv, causal=causal, delta=delta, precision=precision))
+    return out
+
+
+BENCH_MAIN = Case("main", 4, 4096, 4096, 16, 16, 128, 128)
