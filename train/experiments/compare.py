@@ -97,7 +97,7 @@ def make_run_config(args, preset: presets.ComparePreset, arm: str, steps: int, r
     argv = ["--preset", model, "--attention", arm, "--steps", str(steps), "--seed", str(args.seed),
             "--run-dir", run_dir, "--batch-size", str(preset.batch_size), "--seq-len", str(preset.seq_len),
             "--log-every", str(log_every or min(preset.log_every, steps)), "--eval-every", str(every),
-            "--probe-every", str(every), "--ckpt-every", str(max(1, steps // 4)), "--keep", "1"]
+            "--probe-every", str(min(preset.probe_every, steps)), "--ckpt-every", str(max(1, steps // 4)), "--keep", "1"]
     argv += ["--lr", str(preset.learning_rate)] if preset.learning_rate else []
     argv += ["--qk-norm", "off"] if args.no_qk_norm else []
     impl = args.attention_implementation
@@ -147,7 +147,7 @@ class _EchoMetrics:
 def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Optional[float]) -> dict:
     """Trains and evaluates one arm; failures are recorded in the result, not raised
     (except a user's Ctrl-C)."""
-    result = dict(arm=arm, status="done", reason=None, steps=0)
+    result = dict(arm=arm, status="done", reason=None, steps=None)
     reason = presets.unavailable_reason(arm)
     if reason:
         return dict(result, status="not run", reason=reason)

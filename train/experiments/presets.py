@@ -22,7 +22,8 @@ class ComparePreset:
     """model_preset: a `train` preset (SIZE or FAMILY-SIZE). steps: default training length.
     val_batches: validation batches for CE and the masking probe. probe_rows: sequences fed
     to the dS row-sum residual probe. ruler: the long-context suite. log_every/eval_every:
-    training-time logging (gains every log step, validation CE every eval step)."""
+    training-time logging (gains every log step, validation CE every eval step, the arm's own
+dS row-sum residual every probe step)."""
 
     model_preset: str
     batch_size: int
@@ -31,6 +32,7 @@ class ComparePreset:
     learning_rate: Optional[float] = None  # None: the train preset's default
     log_every: int = 10
     eval_every: int = 50
+    probe_every: int = 50  # training-time dS residual probe of the arm's own mode (0: off)
     val_batches: int = 8
     probe_rows: int = 2
     ruler: RulerConfig = RulerConfig()
@@ -38,7 +40,7 @@ class ComparePreset:
 
 PRESETS = {
     # CPU smoke test: a few steps of the tiny model, short contexts.
-    "tiny": ComparePreset("tiny", batch_size=2, seq_len=64, steps=4, log_every=2, eval_every=2,
+    "tiny": ComparePreset("tiny", batch_size=2, seq_len=64, steps=4, log_every=1, eval_every=2, probe_every=0,
                           val_batches=1, probe_rows=1,
                           ruler=RulerConfig(context_lengths=(512,), tasks=("niah_single", "frequent_words"),
                                             examples=2, batch_size=2)),
