@@ -43,6 +43,12 @@ class _AttentionBase(nnx.Module):
     self.rope, self.rope_theta, self.rope_dim = rope, rope_theta, rope_dim
     self.arm, self.implementation = arm, implementation
 
+  def core(self, q_BTHD, k_BSKD, v_BSKV, *, segment_ids=None):
+    """This layer's causal attention core (its arm and core precision) -> o_BTHV."""
+    return attention_core(q_BTHD, k_BSKD, v_BSKV, arm=self.arm, causal=True,
+                          segment_ids=segment_ids, implementation=self.implementation,
+                          precision=self.core_precision)
+
   def _attend(self, q, k, v, segment_ids, probe, capture):
     B, T = q.shape[:2]
     if self.q_norm is not None:
@@ -55,8 +61,7 @@ class _AttentionBase(nnx.Module):
       q, k = rot(q), rot(k)
     if capture is not None:
       capture.update(q=q, k=k, v=v)
-    o = attention_core(q, k, v, arm=self.arm, causal=True, segment_ids=segment_ids,
-                       implementation=self.implementation, precision=self.core_precision)
+    o = self.core(q, k, v, segment_ids=segment_ids)
     if probe is not None:
       o = o + probe.astype(o.dtype)
     return self.o_proj(o.reshape(B, T, -1))

@@ -1,0 +1,152 @@
+"""Attention layers and cores: arm dispatch into dm_jax.attention, the Flax adapter, MLA
+shapes, FP8 linear layers, and the cuDNN baselines' CPU behaviour."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dm_jax
+import dm_jax.reference
+from dm_jax import baselines
+from dm_jax.nn import GQAttention, Linear, MLAttention, SwiGLU, dot_product_attention
+from dm_jax.nn.attention_core import DELTA_ARMS
+
+
+def f8_dots(closed_jaxpr) -> int:
+  """Number of dot_general equations with an FP8 operand, sub-jaxprs included."""
+  def walk(jaxpr):
+    n = 0
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general" and any(
+          "float8" in str(v.aval.dtype) for v in eqn.invars):
+        n += 1
+      for p in eqn.params.values():
+        for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            n += walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            n += walk(sub)
+    return n
+  return walk(closed_jaxpr.jaxpr)
+
+
+def _spy(calls):
+  def fake(q, k, v, **kw):
+    calls.append(kw)
+    return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+  return fake
+
+
+@pytest.mark.parametrize("arm", DELTA_ARMS + ("bf16",))
+def test_arm_reaches_dm_attention_with_its_delta(arm, monkeypatch):
+  calls = []
+  monkeypatch.setattr(dm_jax, "attention", _spy(calls))
+  layer = GQAttention(32, num_heads=4, num_kv_heads=2, head_dim=16, arm=arm,
+                      implementation="reference", rngs=nnx.Rngs(0))
+  seg = jnp.zeros((2, 8), jnp.int32)
+  layer(jnp.ones((2, 8, 32)), segment_ids=seg)
+  (kw,) = calls
+  assert kw["delta"] == ("stale" if arm == "bf16" else arm)
+  assert kw["precision"] == ("bf16" if arm == "bf16" else "fp8")
+  assert kw["causal"] and kw["implementation"] == "reference"
+  assert kw["segment_ids"] is seg
+
+
+def test_reference_arm_uses_mha_reference_and_core_scope(monkeypatch):
+  calls = []
+  monkeypatch.setattr(dm_jax.reference, "mha_reference", _spy(calls))
+  GQAttention(32, num_heads=2, num_kv_heads=2, head_dim=16, arm="reference",
+              rngs=nnx.Rngs(0))(jnp.ones((1, 4, 32)))
+  assert len(calls) == 1 and calls[0]["causal"]
+  with pytest.raises(ValueError, match="attn_core"):
+    GQAttention(32, num_heads=2, num_kv_heads=2, head_dim=16, arm="reference",
+                core_precision="fp8", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="attention"):
+    GQAttention(32, num_heads=2, num_kv_heads=2, head_dim=16, arm="flash",
+                rngs=nnx.Rngs(0))
+
+
+def test_matched_arm_gradient_is_dm_attention_gradient():
+  """Layer gradient w.r.t. the core inputs equals a direct dm_jax.attention VJP."""
+  layer = GQAttention(32, num_heads=4, num_kv_heads=2, head_dim=16, arm="matched",
+                      dtype=jnp.float32, rngs=nnx.Rngs(1))
+  x = jax.random.normal(jax.random.key(0), (1, 16, 32))
+  cap = {}
+  layer(x, capture=cap)
+  do = jax.random.normal(jax.random.key(1), (1, 16, 4, 16))
+  core = lambda q, k, v: dm_jax.attention(q, k, v, causal=True, delta="matched")
+  want = jax.vjp(core, cap["q"], cap["k"], cap["v"])[1](do)
+  got = jax.vjp(lambda q, k, v: layer.core(q, k, v), cap["q"], cap["k"],
+                cap["v"])[1](do)
+  for a, b in zip(want, got):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_mla_shapes_and_gains():
+  layer = MLAttention(32, num_heads=2, kv_lora_rank=16, q_lora_rank=12, nope_dim=16,
+                      rope_dim=16, v_dim=16, arm="reference", rngs=nnx.Rngs(0))
+  cap = {}
+  y = layer(jnp.ones((2, 5, 32)), capture=cap)
+  assert y.shape == (2, 5, 32)
+  assert cap["q"].shape == cap["k"].shape == (2, 5, 2, 32) and cap["v"].shape == (2, 5, 2, 16)
+  assert layer.q_norm.scale.get_value().shape == (32,)  # gains over all Dqk channels
+
+
+def test_flax_multihead_attention_adapter():
+  kw = dict(num_heads=2, in_features=32, qkv_features=32, decode=False,
+            dtype=jnp.float32, rngs=nnx.Rngs(0))
+  ours = nnx.MultiHeadAttention(
+      attention_fn=functools.partial(dot_product_attention, arm="reference"), **kw)
+  kw["rngs"] = nnx.Rngs(0)
+  theirs = nnx.MultiHeadAttention(**kw)
+  x = jax.random.normal(jax.random.key(0), (2, 12, 32))
+  want = theirs(x, mask=nnx.make_causal_mask(jnp.ones((2, 12))))
+  np.testing.assert_allclose(ours(x, is_causal=True), want, atol=1e-5)
+  fp8 = nnx.MultiHeadAttention(attention_fn=dot_product_attention, **dict(kw, rngs=nnx.Rngs(0)))
+  np.testing.assert_allclose(fp8(x, is_causal=True), want, atol=0.1)
+  with pytest.raises(ValueError, match="mask"):
+    ours(x, mask=nnx.make_causal_mask(jnp.ones((2, 12))))
+
+
+def test_fp8_linear_values_grads_and_jaxpr():
+  x = jax.random.normal(jax.random.key(0), (6, 32))
+  lin8 = Linear(32, 24, fp8=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  lin = Linear(32, 24, fp8=False, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(lin8(x), lin(x), atol=0.1, rtol=0.1)
+  g8 = jax.grad(lambda x: jnp.sum(lin8(x) ** 2))(x)
+  g = jax.grad(lambda x: jnp.sum(lin(x) ** 2))(x)
+  assert np.corrcoef(np.ravel(g8), np.ravel(g))[0, 1] > 0.99
+  # forward: 1 FP8 dot; forward + backward: 3 (y = xW, dx = dy W^T, dW = x^T dy)
+  assert f8_dots(jax.make_jaxpr(lin8)(x)) == 1
+  assert f8_dots(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(lin8(x))))(x)) == 3
+  assert f8_dots(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(lin(x))))(x)) == 0
+  mlp = SwiGLU(32, 64, fp8=True, rngs=nnx.Rngs(0))
+  assert f8_dots(jax.make_jaxpr(mlp)(x)) == 2
+
+
+def test_cudnn_baselines_fail_clearly_on_cpu():
+  q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="head dim 128"):
+    baselines.cudnn_fp8_attention(q[..., :64], q[..., :64], q[..., :64], causal=True)
+  with pytest.raises(NotImplementedError, match="segment_ids"):
+    baselines.cudnn_fp8_attention(q, q, q, segment_ids=jnp.zeros((1, 128), jnp.int32))
+  if jax.default_backend() != "gpu":
+    with pytest.raises(RuntimeError, match="GPU"):
+      baselines.cudnn_fp8_attention(q, q, q, causal=True)
+    with pytest.raises(RuntimeError, match="GPU"):
+      baselines.cudnn_bf16_attention(q, q, q, causal=True)
+
+
+def test_cudnn_fp8_params_complete_and_bounded():
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  q = jax.random.normal(jax.random.key(0), (1, 256, 2, 128))
+  s = baselines.current_scale(q)
+  params = baselines._fp8_params(s, s, s, q, q, q, 128 ** -0.5)
+  assert set(params) == set(fa.fp8_params_keys)
+  assert all(p.shape == (1, 1, 1, 1) and p.dtype == jnp.float32 for p in params.values())
+  np.testing.assert_allclose(params["descale_q"] * s, 1.0)
+  assert float(jnp.max(jnp.abs(q)) * s) <= 448
