@@ -81,7 +81,7 @@ def test_time_budget_sets_common_steps_and_stops_slow_arms(tmp_path, faked, monk
     faked.update(matched="ok", stale="slow")
     monkeypatch.setattr(budget, "calibrate", lambda make, scratch, steps: budget.Calibration(0.01, 1.0))
     out = str(tmp_path / "out")
-    # 0.05 min = 3 s: the default 30 s evaluation reserve would leave nothing, so keep 1.2 s.
+    # 0.05 min = 3 s: the default 60 s evaluation reserve would leave nothing, so keep 1.2 s.
     argv = ["--preset", "tiny", "--arms", "matched,stale", "--minutes-per-arm", "0.05", "--eval-minutes", "0.02",
             "--out", out, "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
     assert compare.main(argv) == 0

@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--minutes-per-arm", type=float, default=None,
       help="device-time budget per arm (training + evaluation); steps are calibrated to fit")
     a("--eval-minutes", type=float, default=None, help="part of each arm's budget kept for evaluation "
-      "(default: a quarter of it, at least 0.5)")
+      "(default: a quarter of it, at least 1)")
     a("--calibration-steps", type=int, default=10)
     a("--seed", type=int, default=0, help="initialization and data-order seed, shared by all arms")
     a("--no-qk-norm", action="store_true", help="the no-QK-norm model variant")
@@ -206,7 +206,7 @@ def _plan_steps(args, preset, arms: Sequence[str], runs_dir: str) -> tuple[int, 
     if args.minutes_per_arm is None:
         return args.steps or preset.steps, 0.0, {}
     budget_s = 60 * args.minutes_per_arm
-    reserve_s = 60 * args.eval_minutes if args.eval_minutes is not None else max(30.0, budget_s / 4)
+    reserve_s = 60 * args.eval_minutes if args.eval_minutes is not None else max(60.0, budget_s / 4)
     runnable = [a for a in arms if presets.unavailable_reason(a) is None]
     if not runnable:
         return args.steps or preset.steps, reserve_s, {}

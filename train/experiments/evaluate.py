@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
+import traceback
 from typing import Callable, Optional
 
 import jax
@@ -51,43 +53,77 @@ def final_gains(model, hooks) -> dict[int, dict[str, float]]:
     return out
 
 
+def _masking(model, cfg, preset, batches, logits_fn) -> dict:
+    layers = list(cfg.model_config.attention_layer_indices)
+    if not layers:
+        return {}
+    masked = masking_probe(logits_fn, batches, layers[-1])
+    return dict(val_ce=masked.ce, masking=dataclasses.asdict(masked) | {"increase": masked.increase})
+
+
+def _residuals(model, cfg, preset, batches, hooks, implementation) -> dict:
+    """dS row-sum residuals of every attention layer, all delta modes, on `preset.probe_rows`
+    sequences of the first validation batch."""
+    if hooks.attention_probe is None or hooks.row_sum_residuals is None:
+        return {}
+    rows = {k: (None if v is None else v[: preset.probe_rows]) for k, v in batches[0].items()}
+    probe = jit_with_model(model, lambda m, t, y, s: hooks.attention_probe(m, t, y, segment_ids=s))
+    row_sums = jax.jit(functools.partial(hooks.row_sum_residuals, implementation=implementation),
+                       static_argnames=("causal", "delta"))
+    segments = None if rows["segments"] is None else jnp.asarray(rows["segments"])
+    stats = residual_probe(lambda t, y: probe(jnp.asarray(t), jnp.asarray(y), segments), row_sums, rows)
+    return dict(residuals=[dataclasses.asdict(s) for s in stats], residual_ratio_post=residual_ratio(stats),
+                residual_ratio_pre=residual_ratio(stats, stage="pre_cast"))
+
+
+def _residuals_or_reference(model, cfg, preset, batches, hooks, implementation, log) -> dict:
+    try:
+        return _residuals(model, cfg, preset, batches, hooks, implementation)
+    except Exception as e:  # noqa: BLE001 - retried below
+        if implementation == "reference":
+            raise
+        log(f"    implementation {implementation or 'default'} failed ({type(e).__name__}: {e}); "
+            "using the reference implementation")
+        return dict(_residuals(model, cfg, preset, batches, hooks, "reference"),
+                    residual_implementation="reference")
+
+
+def _ruler(cfg, preset, logits_fn, log) -> dict:
+    scores = run_ruler(logits_fn, data_lib.make_tokenizer(cfg.data), preset.ruler, log=log)
+    return dict(ruler=[dataclasses.asdict(s) for s in scores], ruler_summary=summarize(scores))
+
+
 def evaluate_run(run_dir: str, preset: ComparePreset, *, log: Callable[[str], None] = print,
                  hooks=None) -> dict:
-    """Every evaluation of the run in `run_dir` as a JSON-ready dict (see `report.py`)."""
+    """Every evaluation of the run in `run_dir` as a JSON-ready dict (see `report.py`).
+
+    Each part runs on its own: one that fails is logged and named in `errors` (part ->
+    message) and the others still run. The residual probe falls back to the reference
+    implementation when the run's own one cannot compute it."""
     from train import model as model_lib
 
     hooks = hooks or model_lib.default_hooks()
     model, cfg = loop.load_model(run_dir, hooks=hooks)
     logits_fn = model_logits_fn(model)
-    splits = data_lib.load_splits(cfg.data)
-    _, val = data_lib.make_batches(cfg, splits)
+    _, val = data_lib.make_batches(cfg, data_lib.load_splits(cfg.data))
     batches = [val.batch(i) for i in range(preset.val_batches)]
     if cfg.data.packing != "segments":
         batches = [dict(b, segments=None) for b in batches]
-    layers = list(cfg.model_config.attention_layer_indices)
-    out: dict = {"gains": final_gains(model, hooks)}
-
-    log("  validation CE and masking probe")
-    masked = masking_probe(logits_fn, batches, layers[-1]) if layers else None
-    out["val_ce"] = masked.ce if masked else None
-    out["masking"] = dataclasses.asdict(masked) | {"increase": masked.increase} if masked else None
-
-    if hooks.attention_probe is not None and hooks.row_sum_residuals is not None and layers:
-        log("  dS row-sum residual probe")
-        rows = {k: (None if v is None else v[: preset.probe_rows]) for k, v in batches[0].items()}
-        impl = dict(cfg.model.overrides).get("attention_implementation")
-        probe = jit_with_model(model, lambda m, t, y, s: hooks.attention_probe(m, t, y, segment_ids=s))
-        row_sums = jax.jit(functools.partial(hooks.row_sum_residuals, implementation=impl),
-                           static_argnames=("causal", "delta"))
-        segments = None if rows["segments"] is None else jnp.asarray(rows["segments"])
-        stats = residual_probe(lambda t, y: probe(jnp.asarray(t), jnp.asarray(y), segments), row_sums, rows)
-        out["residuals"] = [dataclasses.asdict(s) for s in stats]
-        out["residual_ratio_post"] = residual_ratio(stats)
-        out["residual_ratio_pre"] = residual_ratio(stats, stage="pre_cast")
-
-    log("  long-context suite")
-    tokenizer = data_lib.make_tokenizer(cfg.data)
-    scores = run_ruler(logits_fn, tokenizer, preset.ruler, log=log)
-    out["ruler"] = [dataclasses.asdict(s) for s in scores]
-    out["ruler_summary"] = summarize(scores)
+    impl = dict(cfg.model.overrides).get("attention_implementation")
+    parts = [
+        ("gains", lambda: dict(gains=final_gains(model, hooks))),
+        ("validation CE and masking probe", lambda: _masking(model, cfg, preset, batches, logits_fn)),
+        ("dS row-sum residual probe", lambda: _residuals_or_reference(model, cfg, preset, batches, hooks, impl, log)),
+        ("long-context suite", lambda: _ruler(cfg, preset, logits_fn, log)),
+    ]
+    out: dict = {"errors": {}}
+    for name, part in parts:
+        log(f"  {name}")
+        start = time.perf_counter()
+        try:
+            out.update(part())
+        except Exception as e:  # noqa: BLE001 - reported, the other parts still run
+            traceback.print_exc()
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+        log(f"    {time.perf_counter() - start:.1f} s")
     return out

@@ -5,7 +5,8 @@ Arm results are the JSON-ready dicts `compare.py` writes to `results/<arm>.json`
   gains {layer: {max_gain, top1_share, top4_share}}, masking {layer, ce, ce_masked, increase},
   residuals [{layer, delta, pre_cast, post_cast}], residual_ratio_post {layer: ratio},
   ruler [{task, context_length, n, exact_match, partial_match, gold_logprob}],
-  ruler_summary {length: {exact_match, partial_match, gold_logprob}}.
+  ruler_summary {length: {exact_match, partial_match, gold_logprob}},
+  errors {evaluation part: message}, residual_implementation (when the probe fell back).
 Missing entries print as "-".
 """
 
@@ -68,6 +69,10 @@ def arm_section(r: Mapping) -> list[str]:
         return lines
     lines += [f"Trained {fmt(r.get('steps'), 'd')} steps in {fmt(r.get('train_seconds'), '.0f')} s; "
               f"evaluated in {fmt(r.get('eval_seconds'), '.0f')} s.", ""]
+    lines += [f"- evaluation part failed: {name}: {msg}" for name, msg in (r.get("errors") or {}).items()]
+    if r.get("residual_implementation"):
+        lines.append(f"- residual probe ran with the {r['residual_implementation']} implementation")
+    lines += [""] if r.get("errors") or r.get("residual_implementation") else []
     gains, res = r.get("gains") or {}, r.get("residuals") or []
     layers = sorted({int(k) for k in gains} | {int(x["layer"]) for x in res})
     modes = list(dict.fromkeys(x["delta"] for x in res))
