@@ -75,6 +75,14 @@ def test_statuses_and_report(tmp_path, faked):
     os.remove(os.path.join(out, "report.md"))
     assert compare.main(["--arms", "reference,stale,matched,cudnn_fp8", "--out", out, "--report-only"]) == 0
     assert open(os.path.join(out, "report.md")).read() == text
+    # --skip-done re-runs only the arms that did not finish, with the recorded step count.
+    faked.update(stale="ok")
+    before = os.path.getmtime(os.path.join(out, "results", "reference.json"))
+    assert compare.main(["--preset", "tiny", "--arms", "reference,stale,matched,cudnn_fp8", "--steps", "5",
+                         "--out", out, "--runs-dir", str(tmp_path / "runs"), "--no-progress", "--skip-done"]) == 0
+    res = _results(out)
+    assert res["stale"]["status"] == "done" and res["stale"]["steps"] == 3
+    assert os.path.getmtime(os.path.join(out, "results", "reference.json")) == before
 
 
 def test_time_budget_sets_common_steps_and_stops_slow_arms(tmp_path, faked, monkeypatch):

@@ -111,7 +111,7 @@ def _niah(rng, hay, tok, n, *, n_keys, n_values, n_queries):
     needles = [_needle(k, v) for k in keys for v in values[k]]
     rng.shuffle(needles)
     # Several values of one key are asked in the order the text gives them.
-    answers = [v for k in asked for n in needles for v in values[k] if n == _needle(k, v)]
+    answers = [v for k in asked for needle in needles for v in values[k] if needle == _needle(k, v)]
     what, verb = ("numbers", "are") if len(answers) > 1 else ("number", "is")
     keys_text = ", ".join(asked)
     # The answer prefix repeats the needle's own words, so a model that copies can answer.

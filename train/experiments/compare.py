@@ -280,18 +280,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         setup = _read_json(os.path.join(out, "setup.json"))["lines"]
         console.print(f"report: {finish(out, arms, setup)}")
         return 0
-    steps, reserve_s, notes = _plan_steps(args, preset, arms, runs_dir)
-    setup = _setup_lines(args, preset, steps, notes)
-    _write_json(os.path.join(out, "setup.json"), dict(lines=setup, arms=arms, steps=steps))
+    setup_path = os.path.join(out, "setup.json")
+    if args.skip_done and os.path.exists(setup_path):  # continue: same steps as the arms kept
+        saved = _read_json(setup_path)
+        steps, reserve_s, notes, setup = saved["steps"], saved["reserve_s"], saved["notes"], saved["lines"]
+        charge = 0.0
+        console.print(f"continuing the comparison in {out}: {steps} steps per arm")
+    else:
+        steps, reserve_s, notes = _plan_steps(args, preset, arms, runs_dir)
+        setup = _setup_lines(args, preset, steps, notes)
+        _write_json(setup_path, dict(lines=setup, arms=arms, steps=steps, reserve_s=reserve_s, notes=notes))
+        charge = notes.get("calibration_s", 0.0)  # spent from the budget of the first arm trained
     for i, arm in enumerate(arms):
         path = os.path.join(out, "results", f"{arm}.json")
         if args.skip_done and os.path.exists(path) and _read_json(path)["status"] == "done":
             console.print(f"[dim]{arm}: kept from an earlier run[/dim]")
             continue
         console.rule(f"[bold]arm {i + 1}/{len(arms)}: {arm}[/bold] ({steps} steps)")
-        limit = None
-        if notes:  # the first arm already spent its calibration time
-            limit = notes["budget_s"] - reserve_s - (notes["calibration_s"] if i == 0 else 0.0)
+        limit = notes["budget_s"] - reserve_s - charge if notes else None
+        charge = 0.0
         run_dir = os.path.join(runs_dir, arm)
         result = run_arm(args, preset, arm, steps, run_dir, limit)
         if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # plots are labelled by folder
