@@ -13,25 +13,8 @@ import dm_jax
 import dm_jax.reference
 from dm_jax import baselines
 from dm_jax.nn import GQAttention, Linear, MLAttention, SwiGLU, dot_product_attention
+from dm_jax.nn.fp8 import fp8_dot_count as f8_dots
 from dm_jax.nn.attention_core import DELTA_ARMS
-
-
-def f8_dots(closed_jaxpr) -> int:
-  """Number of dot_general equations with an FP8 operand, sub-jaxprs included."""
-  def walk(jaxpr):
-    n = 0
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general" and any(
-          "float8" in str(v.aval.dtype) for v in eqn.invars):
-        n += 1
-      for p in eqn.params.values():
-        for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-          if isinstance(sub, jax.extend.core.ClosedJaxpr):
-            n += walk(sub.jaxpr)
-          elif isinstance(sub, jax.extend.core.Jaxpr):
-            n += walk(sub)
-    return n
-  return walk(closed_jaxpr.jaxpr)
 
 
 def _spy(calls):

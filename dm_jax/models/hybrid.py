@@ -140,12 +140,18 @@ def attention_probe(model: HybridLM, tokens_BT, targets_BT, *, segment_ids=None)
   Returns {layer: {"q": [B,T,Hq,Dqk], "k": [B,T,Hkv,Dqk], "v": [B,T,Hkv,Dv],
   "do": [B,T,Hq,Dv] float32}} where do = d loss / d core output for
   loss = mean next-token cross-entropy of logits(tokens_BT) against targets_BT.
-  dO is the gradient w.r.t. a zero probe added to the core output.
+  dO is the gradient w.r.t. a zero probe added to the core output. Jitted (nnx.jit).
   """
-  cfg = model.config
   B, T = tokens_BT.shape
   if targets_BT.shape != (B, T):
     raise ValueError(f"targets_BT: expected {(B, T)}, got {targets_BT.shape}")
+  return _probe(model, tokens_BT, targets_BT, segment_ids)
+
+
+@nnx.jit
+def _probe(model, tokens_BT, targets_BT, segment_ids):
+  cfg = model.config
+  B, T = tokens_BT.shape
   idx = cfg.attention_layer_indices
   probes = {i: jnp.zeros(_core_out_shape(cfg, i, B, T), jnp.float32) for i in idx}
 

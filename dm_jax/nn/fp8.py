@@ -73,6 +73,28 @@ def _fp8_matmul_bwd(res, dy_MN):
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
+def fp8_dot_count(closed_jaxpr) -> int:
+  """Number of dot_general equations with an FP8 operand in a jaxpr (sub-jaxprs included).
+
+  `fp8_dot_count(jax.make_jaxpr(fn)(*args))` checks which matmuls a precision scope puts
+  in FP8.
+  """
+  def walk(jaxpr):
+    n = 0
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general" and any(
+          jnp.dtype(v.aval.dtype).itemsize == 1 and "float8" in str(v.aval.dtype)
+          for v in eqn.invars):
+        n += 1
+      for p in eqn.params.values():
+        for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+          inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+          if hasattr(inner, "eqns"):
+            n += walk(inner)
+    return n
+  return walk(closed_jaxpr.jaxpr)
+
+
 class Linear(nnx.Module):
   """y = x @ W (+ b), in FP8 (current scaling) or in `dtype` (bf16 by default).
 
