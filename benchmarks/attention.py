@@ -179,17 +179,19 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget", type=float, default=240.0)
     p.add_argument("--arms", default="", help="comma-separated subset")
+    p.add_argument("--causal", default="both", choices=("both", "0", "1"))
+    p.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = p.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
     only = set(a for a in args.arms.split(",") if a)
     rows = []
-    for causal in (False, True):
+    for causal in {"both": (False, True), "0": (False,), "1": (True,)}[args.causal]:
         case = dataclasses.replace(BENCH_MAIN, causal=causal)
         rows += bench_case(case, args.iters, args.reps, start + args.budget, only)
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows,
                 seconds=time.time() - start, argv=sys.argv)
-    with open(os.path.join(args.out, "benchmarks.json"), "w") as f:
+    with open(os.path.join(args.out, f"benchmarks{args.tag}.json"), "w") as f:
         json.dump(info, f, indent=1)
     print(table(rows))
 

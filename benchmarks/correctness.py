@@ -12,6 +12,7 @@ Prints a table and writes correctness.json (one record per case and mode).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ from dm_jax import reference
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
 from pallas_kernels.fp8_attention.config import default_block_sizes
+from pallas_kernels.fp8_attention.fast_accumulation import fast_fp8_accumulation
 from tests.shapes import DELTA_MODES, HEAD_DIMS, Case, gpu_cases
 
 FIELDS = ("out", "dq", "dk", "dv")
@@ -49,12 +51,17 @@ def row_ratio(rowsum, abssum):
     return float(jnp.max(r)), float(jnp.median(r))
 
 
-def run_case(case: Case, modes, with_reference=True, implementation="pallas"):
-    """Records (one per delta mode) for one shape."""
+def run_case(case: Case, modes, with_reference=True, implementation="pallas", fast=False):
+    """Records (one per delta mode) for one shape (``fast``: fast FP8 accumulation)."""
+    with fast_fp8_accumulation(fast):
+        return _run_case(case, modes, with_reference, implementation, fast)
+
+
+def _run_case(case, modes, with_reference, implementation, fast):
     q, k, v, do = case.arrays(seed=0)
     ids = case.segment_ids()
     q_ids, kv_ids = ids if ids is not None else (None, None)
-    bs = default_block_sizes(case.dqk, case.dv)
+    bs = dataclasses.replace(default_block_sizes(case.dqk, case.dv), fast_accumulation=fast)
 
     def config(mode, impl):
         return AttentionConfig(case.causal, mode, case.precision, case.dqk ** -0.5, impl, bs)
@@ -83,7 +90,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas"):
         g = bwd(q, k, v, out, lse, do, q_ids, kv_ids)
         rec = dict(case=case.name, b=case.b, t=case.t, hq=case.hq, hkv=case.hkv, dqk=case.dqk,
                    dv=case.dv, causal=case.causal, segments=case.segment_len is not None,
-                   precision=case.precision, delta=mode)
+                   precision=case.precision, delta=mode, fast_accumulation=fast)
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
             rec[f"hp_{name}"] = fro_rel(a, b)
         rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
@@ -94,8 +101,10 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas"):
             rg = jax.jit(lambda *a, rc=rc: ref.backward(*a, config=rc))(
                 q, k, v, out, lse, do, q_ids, kv_ids)
             rec["ref_out"] = max_rel(out, r_out)
+            rec["fro_ref_out"] = fro_rel(out, r_out)
             for name in ("dq", "dk", "dv", "delta"):
                 rec[f"ref_{name}"] = max_rel(getattr(g, name), getattr(rg, name))
+                rec[f"fro_ref_{name}"] = fro_rel(getattr(g, name), getattr(rg, name))
             rec["ref_pre_max"], _ = row_ratio(rg.ds_rowsum_pre, rg.ds_abssum_pre)
         rec["seconds"] = round(time.time() - t0, 1)
         records.append(rec)
@@ -105,6 +114,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas"):
 
 def table(records):
     cols = ["case", "delta", "precision", "ref_out", "ref_dq", "ref_dk", "ref_dv", "ref_delta",
+            "fro_ref_out", "fro_ref_dq", "fro_ref_dk", "fro_ref_dv",
             "hp_out", "hp_dq", "hp_dk", "hp_dv", "pre_max", "pre_median", "post_median"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in records:
@@ -122,32 +132,38 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=330.0, help="seconds; later cases skipped")
     parser.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
     parser.add_argument("--implementation", default="pallas", help="pallas_interpret on a CPU")
+    parser.add_argument("--only", default="", help="comma-separated case names")
     args = parser.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
-    plan = []
+    plan = []  # (case, modes, fast accumulation)
     if args.quick:
         plan.append((Case("smoke", 1, 300, 300, 4, 2, 64, 64, causal=True, segment_len=100),
-                     DELTA_MODES))
+                     DELTA_MODES, False))
     else:
         # ragged lengths, GQA, segments: the out-of-bounds and mask paths on the GPU
         plan.append((Case("T2000_d128_gqa_seg_causal", 2, 2000, 2000, 8, 2, 128, 128,
-                          causal=True, segment_len=700), DELTA_MODES))
+                          causal=True, segment_len=700), DELTA_MODES, False))
         for causal in (False, True):
             for c in gpu_cases(4096, causal, "matched"):
-                plan.append((c, DELTA_MODES))
-        plan.append((gpu_cases(4096, False, "matched", head_dims=((128, 128),),
-                               precision="bf16")[0], ("matched", "stale")))
+                plan.append((c, DELTA_MODES, False))
+        bf16 = gpu_cases(4096, False, "matched", head_dims=((128, 128),), precision="bf16")[0]
+        plan.append((dataclasses.replace(bf16, name=bf16.name + "_bf16"), ("matched", "stale"), False))
         for causal in (False, True):
             plan.append((gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0],
-                         DELTA_MODES))
+                         ("matched", "stale"), False))
+        fast = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
+        plan.append((dataclasses.replace(fast, name=fast.name + "_fastacc"), ("matched", "stale"), True))
+    only = [n for n in args.only.split(",") if n]
+    if only:
+        plan = [p for p in plan if p[0].name in only]
     records, failures = [], []
-    for case, modes in plan:
+    for case, modes, fast in plan:
         if time.time() - start > args.budget:
             failures.append(dict(case=case.name, error="skipped: time budget"))
             continue
         try:
-            records += run_case(case, modes, implementation=args.implementation)
+            records += run_case(case, modes, implementation=args.implementation, fast=fast)
         except Exception as e:  # keep going: one lowering failure must not lose the run
             traceback.print_exc()
             failures.append(dict(case=case.name, error=f"{type(e).__name__}: {str(e)[:2000]}"))
