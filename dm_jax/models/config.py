@@ -48,7 +48,7 @@ class HybridConfig:
   mla_kv_lora_rank: int = 32
   mla_q_lora_rank: int | None = None
   mla_nope_dim: int = 16
-  mla_rope_dim: int = 8
+  mla_rope_dim: int = 16
   mla_v_dim: int = 16
   # linear mixers
   linear_num_heads: int = 2
