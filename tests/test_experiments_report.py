@@ -25,6 +25,8 @@ def test_cudnn_arms_are_not_run_on_cpu():
     assert "GPU" in presets.unavailable_reason("cudnn_fp8", backend="cpu")
     assert presets.unavailable_reason("cudnn_bf16", backend="gpu") is None
     assert presets.unavailable_reason("stale", backend="cpu") is None
+    assert "--packing concat" in presets.unavailable_reason("cudnn_fp8", backend="gpu", packing="segments")
+    assert presets.unavailable_reason("cudnn_bf16", backend="gpu", packing="segments") is None
     with pytest.raises(ValueError, match="--arms"):
         presets.unavailable_reason("fp4")
 

@@ -16,7 +16,7 @@ from train.experiments import budget, compare, presets
 def _fake_train(behaviour):
     """loop.train stand-in: writes metrics rows; per arm: 'ok', 'nan' or 'slow' (runs until SIGINT)."""
 
-    def train(cfg, progress=False):
+    def train(cfg, progress=False, hooks=None):
         os.makedirs(cfg.run_dir)
         stop = []
         old = signal.signal(signal.SIGINT, lambda *_: stop.append(1))
@@ -46,7 +46,7 @@ def faked(monkeypatch):
     monkeypatch.setattr(compare, "make_run_config", lambda args, preset, arm, steps, run_dir, log_every=None:
                         types.SimpleNamespace(arm=arm, steps=steps, run_dir=run_dir, batch_size=2, seq_len=8))
     monkeypatch.setattr(loop, "train", _fake_train(behaviour))
-    monkeypatch.setattr(compare.evaluate, "evaluate_run", lambda run_dir, preset, log=None: dict(
+    monkeypatch.setattr(compare.evaluate, "evaluate_run", lambda run_dir, preset, log=None, hooks=None: dict(
         val_ce=2.5, gains={1: dict(max_gain=3.0, top1_share=0.3, top4_share=0.6)}))
     monkeypatch.setattr(presets.jax, "default_backend", lambda: "cpu")
     return behaviour
@@ -87,7 +87,7 @@ def test_statuses_and_report(tmp_path, faked):
 
 def test_time_budget_sets_common_steps_and_stops_slow_arms(tmp_path, faked, monkeypatch):
     faked.update(matched="ok", stale="slow")
-    monkeypatch.setattr(budget, "calibrate", lambda make, scratch, steps: budget.Calibration(0.01, 1.0))
+    monkeypatch.setattr(budget, "calibrate", lambda make, scratch, steps, hooks: budget.Calibration(0.01, 1.0))
     out = str(tmp_path / "out")
     # 0.05 min = 3 s: the default 60 s evaluation reserve would leave nothing, so keep 1.2 s.
     argv = ["--preset", "tiny", "--arms", "matched,stale", "--minutes-per-arm", "0.05", "--eval-minutes", "0.02",

@@ -28,10 +28,11 @@ class Calibration:
 
 
 def calibrate(make_config: Callable[[int, str, int], object], scratch_dir: str, *,
-              steps: int = 10) -> Calibration:
+              steps: int = 10, hooks=None) -> Calibration:
     """Trains `steps` steps in `scratch_dir` (deleted afterwards) and times them.
 
-    make_config(steps, run_dir, log_every) -> RunConfig. Logging at `steps // 2` and
+    make_config(steps, run_dir, log_every) -> RunConfig; `hooks` go to `train.loop.train`.
+    Logging at `steps // 2` and
     `steps` makes the second logged tokens/s a steady-state rate (compilation falls in the
     first interval).
     """
@@ -41,7 +42,7 @@ def calibrate(make_config: Callable[[int, str, int], object], scratch_dir: str, 
     cfg = make_config(steps, scratch_dir, steps // 2)
     start = time.perf_counter()
     try:
-        loop.train(cfg, progress=False)
+        loop.train(cfg, progress=False, hooks=hooks)
         wall = time.perf_counter() - start
         rows = [r for r in metrics.read_metrics(scratch_dir) if "tokens_per_s" in r]
     finally:

@@ -30,6 +30,7 @@ from train import config as config_lib
 from train import loop, metrics, plot
 from train.experiments import budget as budget_lib
 from train.experiments import evaluate, presets, report
+from train.experiments.hooks import hooks_for
 from train.eval.suite import RulerConfig
 
 console = Console()
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
       "(default: a quarter of it, at least 1)")
     a("--calibration-steps", type=int, default=10)
     a("--seed", type=int, default=0, help="initialization and data-order seed, shared by all arms")
+    a("--packing", default="concat", choices=config_lib.PACKINGS,
+      help="training windows: plain concatenation (default; cuDNN FP8 attention takes no document "
+           "ids) or document segments")
     a("--no-qk-norm", action="store_true", help="the no-QK-norm model variant")
     a("--batch-size", type=int, default=None)
     a("--seq-len", type=int, default=None)
@@ -68,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _arms(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
     for arm in arms:
-        presets.unavailable_reason(arm, backend="gpu")  # raises on an unknown name
+        presets.unavailable_reason(arm, backend="gpu", packing="concat")  # raises on an unknown name
     if not arms or len(set(arms)) != len(arms):
         raise ValueError(f"--arms: need distinct arms, got {text!r}")
     return arms
@@ -97,7 +101,7 @@ def make_run_config(args, preset: presets.ComparePreset, arm: str, steps: int, r
     argv = ["--preset", model, "--attention", arm, "--steps", str(steps), "--seed", str(args.seed),
             "--run-dir", run_dir, "--batch-size", str(preset.batch_size), "--seq-len", str(preset.seq_len),
             "--log-every", str(log_every or min(preset.log_every, steps)), "--eval-every", str(every),
-            "--probe-every", str(min(preset.probe_every, steps)), "--ckpt-every", str(max(1, steps // 4)), "--keep", "1"]
+            "--probe-every", str(min(preset.probe_every, steps)), "--packing", args.packing, "--ckpt-every", str(max(1, steps // 4)), "--keep", "1"]
     argv += ["--lr", str(preset.learning_rate)] if preset.learning_rate else []
     argv += ["--qk-norm", "off"] if args.no_qk_norm else []
     impl = args.attention_implementation
@@ -148,7 +152,7 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
     """Trains and evaluates one arm; failures are recorded in the result, not raised
     (except a user's Ctrl-C)."""
     result = dict(arm=arm, status="done", reason=None, steps=None)
-    reason = presets.unavailable_reason(arm)
+    reason = presets.unavailable_reason(arm, packing=args.packing)
     if reason:
         return dict(result, status="not run", reason=reason)
     if os.path.exists(run_dir):
@@ -160,7 +164,7 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
         echo = _EchoMetrics(run_dir, arm) if not show_bar else contextlib.nullcontext()
         with budget_lib.TimeLimit(train_limit_s) as limit, echo:
             try:
-                trained = loop.train(cfg, progress=show_bar)
+                trained = loop.train(cfg, progress=show_bar, hooks=hooks_for(args.packing))
             except KeyboardInterrupt:
                 if not limit.fired:
                     raise
@@ -182,7 +186,7 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
         result.update(_train_summary(rows), steps=result["steps"] or rows[-1]["step"])
     start = time.perf_counter()
     try:
-        result.update(evaluate.evaluate_run(run_dir, preset, log=console.print))
+        result.update(evaluate.evaluate_run(run_dir, preset, log=console.print, hooks=hooks_for(args.packing)))
     except Exception as e:  # e.g. a diverged run without a checkpoint
         traceback.print_exc()
         result["reason"] = (result["reason"] + "; " if result["reason"] else "") + f"evaluation failed: {e}"
@@ -207,7 +211,7 @@ def _plan_steps(args, preset, arms: Sequence[str], runs_dir: str) -> tuple[int, 
         return args.steps or preset.steps, 0.0, {}
     budget_s = 60 * args.minutes_per_arm
     reserve_s = 60 * args.eval_minutes if args.eval_minutes is not None else max(60.0, budget_s / 4)
-    runnable = [a for a in arms if presets.unavailable_reason(a) is None]
+    runnable = [a for a in arms if presets.unavailable_reason(a, packing=args.packing) is None]
     if not runnable:
         return args.steps or preset.steps, reserve_s, {}
     start, cal = time.perf_counter(), None
@@ -216,7 +220,7 @@ def _plan_steps(args, preset, arms: Sequence[str], runs_dir: str) -> tuple[int, 
         try:
             cal = budget_lib.calibrate(
                 lambda steps, run_dir, log_every: make_run_config(args, preset, arm, steps, run_dir, log_every),
-                os.path.join(runs_dir, "_calibration"), steps=args.calibration_steps)
+                os.path.join(runs_dir, "_calibration"), steps=args.calibration_steps, hooks=hooks_for(args.packing))
             break
         except (Exception, SystemExit) as e:
             console.print(f"  calibration on {arm} failed ({type(e).__name__}: {e}); trying the next arm")
@@ -239,7 +243,8 @@ def _setup_lines(args, preset, steps: int, notes: dict) -> list[str]:
         f"Command: `python -m train.experiments.compare {' '.join(sys.argv[1:])}`",
         f"Preset `{args.preset}` (model `{(args.family + '-') if args.family else ''}{preset.model_preset}`, "
         f"QK-norm {'off' if args.no_qk_norm else 'as preset'}), batch {preset.batch_size} x {preset.seq_len}, "
-        f"{steps} steps per arm, seed {args.seed} (same initialization and data order for every arm)",
+        f"{steps} steps per arm, seed {args.seed} (same initialization and data order for every arm), "
+        f"{args.packing} packing",
         f"Device: {jax.default_backend()} ({getattr(device, 'device_kind', device)}), "
         f"jax {jax.__version__}; written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"Long-context suite: tasks {', '.join(preset.ruler.tasks)}; lengths "

@@ -57,11 +57,14 @@ def get_preset(name: str) -> ComparePreset:
     return PRESETS[name]
 
 
-def unavailable_reason(arm: str, backend: Optional[str] = None) -> Optional[str]:
-    """Why `arm` cannot run on this machine (None if it can). `backend` defaults to JAX's."""
+def unavailable_reason(arm: str, backend: Optional[str] = None, packing: str = "concat") -> Optional[str]:
+    """Why `arm` cannot run on this machine with this data `packing` (None if it can).
+    `backend` defaults to JAX's."""
     if arm not in ARMS:
         raise ValueError(f"--arms: unknown arm {arm!r}; arms: {ARMS}")
     backend = backend or jax.default_backend()
     if arm.startswith("cudnn") and backend != "gpu":
         return f"needs an NVIDIA GPU with cuDNN attention (JAX backend here: {backend})"
+    if arm == "cudnn_fp8" and packing == "segments":
+        return "cuDNN FP8 attention takes no segment ids; run the comparison with --packing concat"
     return None
