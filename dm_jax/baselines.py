@@ -19,8 +19,13 @@ kernel ran); they come from bounds that cannot overflow:
   |O| <= amax(v)                                -> scale_o = s_v
   |dP_ij| <= ||dO_i|| ||v_j|| =: B (Cauchy-Schwarz; dO pre-scaled so ||dO_i|| <= 448 sqrt(Dv))
   |dS_ij| <= 2B,  |dQ| <= scale 2B amax(k),  |dK| <= scale 2B amax(q) T,  |dV| <= 448 T.
-The T factors are worst cases (a key attended by every query); they cost dynamic range
-for dK and dV at long sequence lengths.
+The T factors are worst cases (a key attended by every query) and cost many binades of
+dynamic range (most of dK underflows even at T = 128). So the backward runs twice: the
+first pass, with the bound scales, returns the amax of dP, dQ, dK, dV (cuDNN reports them);
+the second pass reruns forward and backward with scales from those *current* amax values
+(2 x amax(dP) for dS). Every FP8 tensor is then scaled from its own current amax, at the
+price of one extra forward and backward of the attention core per training step; time
+the forward, or read backward timings of this arm as an upper bound.
 
 How this differs from Transformer Engine: TE uses *delayed* scaling. Each FP8 tensor's
 scale comes from a rolling history of amax values from previous steps (default: the max
@@ -121,34 +126,56 @@ def _fp8_params(sq, sk, sv, q, k, v, scale):
   return {name: jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32) for name, x in vals.items()}
 
 
+def _run_fp8(q8, k8, v8, params, scale, causal):
+  """One cuDNN FP8 call: (o8, amax_s, amax_o) and its VJP over (q8, k8, v8, params)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+  run = lambda q8, k8, v8, params: fa.dot_product_attention(
+      q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask_type, qkv_layout="BTNH",
+      use_fp8=True)
+  return jax.vjp(run, q8, k8, v8, params)
+
+
+def _fp8_grads(vjp, out, do8):
+  """(dq8, dk8, dv8, amax per gradient name) from a cuDNN FP8 backward."""
+  _, amax_s, amax_o = out
+  dq8, dk8, dv8, dparams = vjp((do8, jnp.zeros_like(amax_s), jnp.zeros_like(amax_o)))
+  return dq8, dk8, dv8, {k: dparams[k] for k in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _cudnn_fp8(q, k, v, scale, causal):
   return _cudnn_fp8_fwd(q, k, v, scale, causal)[0]
 
 
 def _cudnn_fp8_fwd(q, k, v, scale, causal):
-  from jax._src.cudnn import fused_attention_stablehlo as fa
   sq, sk, sv = current_scale(q), current_scale(k), current_scale(v)
   params = _fp8_params(sq, sk, sv, q, k, v, scale)
-  mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-  run = lambda q8, k8, v8: fa.dot_product_attention(
-      q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask_type, qkv_layout="BTNH",
-      use_fp8=True)
-  (o8, amax_s, amax_o), vjp = jax.vjp(run, quantize(q, sq), quantize(k, sk), quantize(v, sv))
-  out = (o8.astype(jnp.float32) / params["scale_o"][0, 0, 0]).astype(q.dtype)
+  q8, k8, v8 = quantize(q, sq), quantize(k, sk), quantize(v, sv)
+  out, vjp = _run_fp8(q8, k8, v8, params, scale, causal)
+  o = (out[0].astype(jnp.float32) / params["scale_o"].reshape(())).astype(q.dtype)
   like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))  # dtypes, as arrays
-  res = (vjp, params["scale_dQ"], params["scale_dK"], params["scale_dV"], amax_s, amax_o,
-         like)
-  return out, res
+  return o, (vjp, out, (q8, k8, v8), params, like)
 
 
 def _cudnn_fp8_bwd(scale, causal, res, do):
-  del scale, causal
-  vjp, s_dq, s_dk, s_dv, amax_s, amax_o, (qd, kd, vd) = res
+  """Two passes: the first (output scales from bounds) measures amax of dP, dQ, dK, dV;
+  the second reruns forward and backward with those current amax values as scales."""
+  vjp, out, qkv8, params, like = res
   s_do = current_scale(do)
-  dq8, dk8, dv8 = vjp((quantize(do, s_do), jnp.zeros_like(amax_s), jnp.zeros_like(amax_o)))
-  back = lambda g8, s, dt: (g8.astype(jnp.float32) / (s.reshape(()) * s_do)).astype(dt.dtype)
-  return back(dq8, s_dq, qd), back(dk8, s_dk, kd), back(dv8, s_dv, vd)
+  do8 = quantize(do, s_do)
+  *_, amax = _fp8_grads(vjp, out, do8)
+  exact = {"scale_dP": current_scale(2 * amax["amax_dP"]),
+           "scale_dQ": current_scale(amax["amax_dQ"]),
+           "scale_dK": current_scale(amax["amax_dK"]),
+           "scale_dV": current_scale(amax["amax_dV"])}
+  exact["descale_dP"] = 1 / exact["scale_dP"]
+  params = {**params, **{k: v.reshape(1, 1, 1, 1) for k, v in exact.items()}}
+  out, vjp = _run_fp8(*qkv8, params, scale, causal)
+  grads8 = _fp8_grads(vjp, out, do8)[:3]
+  names = ("scale_dQ", "scale_dK", "scale_dV")
+  return tuple((g8.astype(jnp.float32) / (params[n].reshape(()) * s_do)).astype(x.dtype)
+               for g8, n, x in zip(grads8, names, like))
 
 
 _cudnn_fp8.defvjp(_cudnn_fp8_fwd, _cudnn_fp8_bwd)

@@ -157,5 +157,10 @@ def test_ablation_qk_gains_and_config_errors():
     preset("rwkv")
   with pytest.raises(ValueError, match="tokens_BT"):
     model(jnp.zeros((2, 8)))
+  # Arms and precision scopes do not change the initial weights (paired runs).
+  same = [nnx.state(HybridLM(preset("gdn_mla", attention=a, ffn=f), rngs=nnx.Rngs(0)))
+          for a, f in (("matched", "fp8"), ("reference", "bf16"))]
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(same[0]),
+                                                   jax.tree.leaves(same[1])))
   wide = preset("gdn_gqa", "1.67b", head_dim=256)
   assert wide.num_heads * wide.head_dim == 16 * 128 and not preset("gdn_gqa", rope=False).rope

@@ -133,3 +133,56 @@ def test_cudnn_fp8_params_complete_and_bounded():
   assert all(p.shape == (1, 1, 1, 1) and p.dtype == jnp.float32 for p in params.values())
   np.testing.assert_allclose(params["descale_q"] * s, 1.0)
   assert float(jnp.max(jnp.abs(q)) * s) <= 448
+
+
+def _fake_cudnn_fp8(q8, k8, v8, fp8_params=None, *, scale, mask_type, qkv_layout, use_fp8):
+  """CPU stand-in with cuDNN FP8 semantics: descale inputs, scale the FP8 outputs."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  assert use_fp8 and qkv_layout == "BTNH" and q8.dtype == jnp.float8_e4m3fn
+  causal = mask_type == fa.MaskType.CAUSAL
+  real = lambda q, k, v: dm_jax.reference.mha_reference(q, k, v, causal=causal, scale=scale)
+  f8 = lambda x, s: jnp.clip(x * s, -448, 448).astype(jnp.float8_e4m3fn)
+
+  @jax.custom_vjp
+  def run(q8, k8, v8, params):
+    return run_fwd(q8, k8, v8, params)[0]
+
+  def run_fwd(q8, k8, v8, params):
+    p = {k: v.reshape(()) for k, v in params.items()}
+    qkv = (q8.astype(jnp.float32) * p["descale_q"], k8.astype(jnp.float32) * p["descale_k"],
+           v8.astype(jnp.float32) * p["descale_v"])
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    return (f8(real(*qkv), p["scale_o"]), one, one), (qkv, params)
+
+  def run_bwd(res, g):
+    qkv, params = res
+    p = {k: v.reshape(()) for k, v in params.items()}
+    do = g[0].astype(jnp.float32) * p["descale_dO"]
+    dq, dk, dv = jax.vjp(real, *qkv)[1](do)
+    amax = lambda x: jnp.max(jnp.abs(x)).reshape(1, 1, 1, 1)
+    dparams = {name: jnp.zeros_like(x) for name, x in params.items()}
+    dparams.update(amax_dQ=amax(dq), amax_dK=amax(dk), amax_dV=amax(dv), amax_dP=amax(do))
+    return f8(dq, p["scale_dQ"]), f8(dk, p["scale_dK"]), f8(dv, p["scale_dV"]), dparams
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(q8, k8, v8, fp8_params)
+
+
+def test_cudnn_fp8_scaling_bookkeeping(monkeypatch):
+  """With a stand-in kernel of cuDNN's FP8 semantics, outputs and gradients come back in
+  real units (catches a missing descale, dO pre-scale or output scale)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  monkeypatch.setattr(fa, "dot_product_attention", _fake_cudnn_fp8)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k, v = (jax.random.normal(kk, (1, 128, 2, 128)) for kk in ks[:3])
+  k, v = k[:, :, :1], v[:, :, :1]  # GQA: 2 query heads share one kv head
+  do = 0.01 * jax.random.normal(ks[3], (1, 128, 2, 128))
+  ref = lambda q, k, v: dm_jax.reference.mha_reference(q, k, v, causal=True)
+  fp8 = lambda q, k, v: baselines.cudnn_fp8_attention(q, k, v, causal=True)
+  o_ref, vjp_ref = jax.vjp(ref, q, k, v)
+  o, vjp = jax.vjp(fp8, q, k, v)
+  rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+  assert rel(o, o_ref) < 0.1
+  for g, g_ref in zip(vjp(do), vjp_ref(do)):
+    assert g.shape == g_ref.shape and rel(g, g_ref) < 0.1
