@@ -5,14 +5,16 @@
         --out docs/experiments/small-h200
 
 Writes into --out: report.md, loss.png, max_gain.png, top_share.png, residual.png,
-results/<arm>.json and metrics/<arm>/metrics.jsonl. Run directories (checkpoints) go to --runs-dir (default
-runs/compare/<name of --out>). Arms that cannot run here are reported as not run, with why.
+results/<arm>.json and metrics/<arm>/metrics.jsonl. Run directories (checkpoints) go to
+--runs-dir (default runs/compare/<name of --out>). Arms that cannot run here are reported as
+not run, with why. docs/experiments/README.md describes the report.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -31,7 +33,6 @@ from train import loop, metrics, plot
 from train.experiments import budget as budget_lib
 from train.experiments import evaluate, presets, report
 from train.experiments.hooks import hooks_for
-from train.eval.suite import RulerConfig
 
 console = Console()
 
@@ -79,12 +80,14 @@ def _arms(text: str) -> list[str]:
 
 
 def _preset(args) -> presets.ComparePreset:
-    import dataclasses
-
     p = presets.get_preset(args.preset)
     ruler = p.ruler
     if args.ruler_lengths:
-        ruler = dataclasses.replace(ruler, context_lengths=tuple(int(n) for n in args.ruler_lengths.split(",")))
+        try:
+            lengths = tuple(int(n) for n in args.ruler_lengths.split(","))
+        except ValueError:
+            raise ValueError(f"--ruler-lengths: expected comma-separated integers, got {args.ruler_lengths!r}")
+        ruler = dataclasses.replace(ruler, context_lengths=lengths)
     if args.ruler_examples:
         ruler = dataclasses.replace(ruler, examples=args.ruler_examples)
     if args.no_generate:
