@@ -230,11 +230,12 @@ def _plan_steps(args, preset, arms: Sequence[str], runs_dir: str) -> tuple[int, 
     if cal is None:
         return args.steps or preset.steps, reserve_s, {}
     calibration_s = time.perf_counter() - start
-    # The calibration is charged to the first arm's budget, so it bounds the common step count.
-    steps = budget_lib.steps_for_budget(cal, budget_s - calibration_s, reserve_s=reserve_s)
+    # The calibration is paid from the whole budget: each runnable arm gives up its share.
+    charge_s = calibration_s / len(runnable)
+    steps = budget_lib.steps_for_budget(cal, budget_s - charge_s, reserve_s=reserve_s)
     steps = min(steps, args.steps) if args.steps else steps
     console.print(f"  {cal.seconds_per_step:.3f} s/step, set-up {cal.setup_seconds:.0f} s -> {steps} steps per arm")
-    return steps, reserve_s, dict(budget_s=budget_s, calibration_s=calibration_s,
+    return steps, reserve_s, dict(budget_s=budget_s, calibration_s=calibration_s, charge_s=charge_s,
                                   seconds_per_step=cal.seconds_per_step, setup_s=cal.setup_seconds)
 
 
@@ -292,21 +293,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.skip_done and os.path.exists(setup_path):  # continue: same steps as the arms kept
         saved = _read_json(setup_path)
         steps, reserve_s, notes, setup = saved["steps"], saved["reserve_s"], saved["notes"], saved["lines"]
-        charge = 0.0
         console.print(f"continuing the comparison in {out}: {steps} steps per arm")
     else:
         steps, reserve_s, notes = _plan_steps(args, preset, arms, runs_dir)
         setup = _setup_lines(args, preset, steps, notes)
         _write_json(setup_path, dict(lines=setup, arms=arms, steps=steps, reserve_s=reserve_s, notes=notes))
-        charge = notes.get("calibration_s", 0.0)  # spent from the budget of the first arm trained
     for i, arm in enumerate(arms):
         path = os.path.join(out, "results", f"{arm}.json")
         if args.skip_done and os.path.exists(path) and _read_json(path)["status"] == "done":
             console.print(f"[dim]{arm}: kept from an earlier run[/dim]")
             continue
         console.rule(f"[bold]arm {i + 1}/{len(arms)}: {arm}[/bold] ({steps} steps)")
-        limit = notes["budget_s"] - reserve_s - charge if notes else None
-        charge = 0.0
+        limit = notes["budget_s"] - reserve_s - notes["charge_s"] if notes else None  # training time
         run_dir = os.path.join(runs_dir, arm)
         result = run_arm(args, preset, arm, steps, run_dir, limit)
         if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # plots are labelled by folder
