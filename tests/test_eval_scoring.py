@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from train.data import ByteTokenizer
-from train.eval import (RulerConfig, build_haystack, continuation_logprob, generate,
+from train.eval import (RulerConfig, answer_line, build_haystack, continuation_logprob, generate,
                         greedy_generate, match_fraction, run_ruler, score_examples, summarize)
 
 TOK = ByteTokenizer()
@@ -54,6 +54,12 @@ def test_greedy_generate_emits_the_model_argmax():
 
     out = greedy_generate(next_is_plus_one, [[1, 2], [10]], 3, length=8, rows=4)
     assert out == [[3, 4, 5], [11, 12, 13]]
+    # Stops once every row is done; the scorer then reads only the first non-blank line.
+    calls = []
+    counting = lambda t: calls.append(1) or next_is_plus_one(t)  # noqa: E731
+    out = greedy_generate(counting, [[1], [7]], 5, length=8, done=lambda ids: 9 in ids or 4 in ids)
+    assert out == [[2, 3, 4], [8, 9, 10]] and len(calls) == 3
+    assert answer_line("\n  \n 123, 456.\nmore 789") == " 123, 456."
 
 
 def test_copy_model_finds_the_needle(niah):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -39,12 +39,14 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                    pad_id: int = 0, length: int = 0, rows: int = 0) -> list[list[int]]:
-    """Greedy continuation of each prompt: `max_new_tokens` ids per prompt.
+                    pad_id: int = 0, length: int = 0, rows: int = 0,
+                    done: Optional[Callable[[list[int]], bool]] = None) -> list[list[int]]:
+    """Greedy continuation of each prompt: up to `max_new_tokens` ids per prompt.
 
-    Runs `max_new_tokens` full forward passes over a [max(rows, N), L] buffer (no KV cache;
+    Runs one full forward pass per new token over a [max(rows, N), L] buffer (no KV cache;
     L = `length`, or the longest prompt + `max_new_tokens` rounded up to 128): simple and
-    exact for any causal model, fine for the short answers tasks need.
+    exact for any causal model, fine for the short answers tasks need. Stops early once
+    `done(ids so far)` holds for every prompt (all outputs then have the same length).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
@@ -56,11 +58,14 @@ def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_n
     if need > buf_BL.shape[1]:
         raise ValueError(f"length: {buf_BL.shape[1]} cannot hold a prompt and {max_new_tokens} new tokens")
     rows = np.arange(len(prompts))
+    new = lambda steps: [buf_BL[i, lengths[i]: lengths[i] + steps].tolist() for i in rows]  # noqa: E731
     for step in range(max_new_tokens):
         pos = lengths + step
         logits_BLV = np.asarray(logits_fn(buf_BL))
         buf_BL[rows, pos] = logits_BLV[rows, pos - 1].argmax(-1)
-    return [buf_BL[i, lengths[i]: lengths[i] + max_new_tokens].tolist() for i in rows]
+        if done is not None and all(map(done, new(step + 1))):
+            return new(step + 1)
+    return new(max_new_tokens)
 
 
 def continuation_logprob(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
@@ -83,6 +88,11 @@ def _normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text.lower()).strip()
 
 
+def answer_line(text: str) -> str:
+    """The first non-blank line of a generated text: what is scored as the answer."""
+    return next((line for line in text.split("\n") if line.strip()), "")
+
+
 def match_fraction(prediction: str, answers: Sequence[str]) -> float:
     """Fraction of gold `answers` found in `prediction` (case- and space-insensitive)."""
     pred = _normalize(prediction)
@@ -93,8 +103,8 @@ def match_fraction(prediction: str, answers: Sequence[str]) -> float:
 class TaskScore:
     """Scores of one task at one context length, averaged over its examples.
 
-    exact_match: share of examples whose greedy output contains every gold answer.
-    partial_match: mean share of gold answers found in the greedy output.
+    exact_match: share of examples whose greedy answer line contains every gold answer.
+    partial_match: mean share of gold answers found in the greedy answer line.
     gold_logprob: mean per-token log-likelihood (nats) of the gold answer text.
     """
 
@@ -123,8 +133,9 @@ def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence
         lp += continuation_logprob(logits_fn, prompts, golds, **shape).tolist()
         if generate:
             new_tokens = min(max(map(len, golds)) + 4, length - max(map(len, prompts)))
-            outs = greedy_generate(logits_fn, prompts, new_tokens, **shape)
-            fractions = [match_fraction(tokenizer.decode(o), e.answers) for o, e in zip(outs, chunk)]
+            line_ended = lambda ids: "\n" in tokenizer.decode(ids).lstrip()  # noqa: E731
+            outs = greedy_generate(logits_fn, prompts, new_tokens, done=line_ended, **shape)
+            fractions = [match_fraction(answer_line(tokenizer.decode(o)), e.answers) for o, e in zip(outs, chunk)]
             pm += fractions
             em += [float(f == 1.0) for f in fractions]
     nan = float("nan")
