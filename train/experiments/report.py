@@ -106,7 +106,7 @@ def write_report(path: str, results: Sequence[Mapping], *, title: str, setup: Se
     here = os.path.dirname(path)
     lines = [f"# {title}", "", *[f"- {s}" for s in setup], "", "## Summary", ""]
     lines += summary_table(results)
-    lines += ["", "EM: greedy exact match (every gold answer in the output); logprob: mean log-likelihood "
+    lines += ["", "EM: greedy exact match (every gold answer in the first line the model writes); logprob: mean log-likelihood "
               "per token of the gold answer (nats, higher is better). Max QK gain / top-1 share: worst "
               "attention layer. Masking dCE: validation CE increase when the last attention layer's output "
               "is zeroed. Post-cast ratio: mean normalized dS row-sum residual after the FP8 cast, stale "
