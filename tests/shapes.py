@@ -67,8 +67,9 @@ KERNEL_CASES = (
     # MLA head dims (192 / 128), MQA, packed segments + causal, dO-matched delta
     Case("mqa_mla_segments", 2, 192, 192, 2, 1, 192, 128, causal=True, segment_len=70,
          delta="do_matched"),
-    # head dim 128 through the bf16 path
-    Case("d128_bf16", 1, 128, 128, 2, 1, 128, 128, delta="matched", precision="bf16"),
+    # head dim 128 through the bf16 path; causal without padding (unmasked interior tiles)
+    Case("d128_bf16_causal", 1, 128, 128, 2, 1, 128, 128, causal=True, delta="matched",
+         precision="bf16"),
     # head dim 256, causal
     Case("d256_causal", 1, 96, 96, 1, 1, 256, 256, causal=True, delta="matched"),
 )

@@ -50,11 +50,13 @@ def _dq_kernel(
     q_pos = common.positions(i, block_q)
     q_seg = q_seg_ref[...] if mask.segments else None
 
-    def body(j, carry):
+    def body(j, carry, masked):
         dq, stats = carry
         keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        k_seg = kv_seg_ref[keys] if mask.segments else None
-        valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
+        valid = None
+        if masked:
+            k_seg = kv_seg_ref[keys] if mask.segments else None
+            valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
         inv_k = inv_k_ref[keys]
         p, dp = common.probs_and_dp(
             q8, inv_q, k_ref[keys, :], inv_k, do8, inv_do, v_ref[keys, :], inv_v_ref[keys],
@@ -75,8 +77,7 @@ def _dq_kernel(
 
     zeros = jnp.zeros((block_q,), F32)
     init = (jnp.zeros(dq_ref.shape, F32), (zeros,) * 4 if with_stats else ())
-    upper = common.causal_key_blocks(i, block_q, block_k, n_k, mask)
-    dq, stats = lax.fori_loop(0, upper, body, init)
+    dq, stats = common.key_loop(body, init, i, block_q, block_k, n_k, mask)
     dq_ref[...] = dq.astype(dq_ref.dtype)
     for ref, value in zip(stat_refs, stats):
         ref[...] = value
@@ -98,15 +99,16 @@ def _dkdv_kernel(
     k_pos = common.positions(j, block_k)
     k_seg = kv_seg_ref[...] if mask.segments else None
     p_scale = numerics.p_scale(precision)
-    first = common.causal_first_query_block(j, block_q, block_k, mask)
 
     def head_body(g, carry):
-        def q_body(i, carry):
+        def q_body(i, carry, masked):
             dk, dv = carry
             rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
             inv_q, inv_do = inv_q_ref[g, rows], inv_do_ref[g, rows]
-            q_seg = q_seg_ref[rows] if mask.segments else None
-            valid = common.valid_mask(mask, common.positions(i, block_q), k_pos, q_seg, k_seg)
+            valid = None
+            if masked:
+                q_seg = q_seg_ref[rows] if mask.segments else None
+                valid = common.valid_mask(mask, common.positions(i, block_q), k_pos, q_seg, k_seg)
             p, dp = common.probs_and_dp(
                 q_ref[g, rows, :], inv_q, k8, inv_k, do_ref[g, rows, :], inv_do, v8, inv_v,
                 lse_ref[g, rows], valid, sm_scale,
@@ -121,7 +123,7 @@ def _dkdv_kernel(
             )
             return dk, dv
 
-        return lax.fori_loop(first, n_q, q_body, carry)
+        return common.query_loop(q_body, carry, j, block_q, block_k, n_q, mask)
 
     init = (jnp.zeros(dk_ref.shape, F32), jnp.zeros(dv_ref.shape, F32))
     dk, dv = lax.fori_loop(0, group, head_body, init)

@@ -9,10 +9,12 @@ The orientation of both dots ([bq x D] @ [D x bk]) is the same in every pass.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -26,6 +28,12 @@ class MaskSpec(NamedTuple):
     s: int
     causal: bool
     segments: bool
+    padded: bool = True  # T or S was padded up to the tile multiple (bounds must be masked)
+
+    @property
+    def every_tile(self) -> bool:
+        """Every tile needs the mask (segments or padding), not only the causal diagonal."""
+        return self.segments or self.padded
 
 
 def compiler_params(num_warps: int, num_stages: int):
@@ -41,11 +49,6 @@ def kernel_name(base: str, fast_accumulation: bool) -> str:
 def dot_nt(a, b):
     """a @ b^T with f32 accumulation: a [m, d], b [n, d] (both contract their last dim)."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-
-
-def dot_nn(a, b):
-    """a @ b with f32 accumulation: a [m, k], b [k, n]."""
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=F32)
 
 
 def dot_tt(a, b):
@@ -70,10 +73,13 @@ def valid_mask(mask: MaskSpec, q_pos, k_pos, q_seg: Optional[jax.Array], k_seg):
 
 
 def scores(q8, k8, inv_q, inv_k, sm_scale, valid):
-    """S = (Q^ K^^T) * (scale * inv_q * inv_k), -inf where masked.  [bq, bk] f32."""
+    """S = (Q^ K^^T) * (scale * inv_q * inv_k), -inf where masked (``valid`` None: no mask).
+
+    [bq, bk] f32. Skipping the mask on a tile where it is all True gives the same bits.
+    """
     raw = dot_nt(q8, k8)
     s = raw * ((sm_scale * inv_q)[:, None] * inv_k[None, :])
-    return jnp.where(valid, s, -jnp.inf)
+    return s if valid is None else jnp.where(valid, s, -jnp.inf)
 
 
 def dp_hat(do8, v8, inv_do, inv_v):
@@ -99,11 +105,35 @@ def causal_key_blocks(q_block_index, block_q, block_k, n_k, mask: MaskSpec):
     return jnp.minimum(n_k, pl.cdiv((q_block_index + 1) * block_q, block_k))
 
 
-def causal_first_query_block(k_block_index, block_q, block_k, mask: MaskSpec):
-    """First query tile that sees key tile ``k_block_index`` (0 unless causal)."""
+def key_loop(body, init, q_block_index, block_q, block_k, n_k, mask: MaskSpec):
+    """``carry = body(j, carry, masked)`` over the key tiles query tile i sees.
+
+    Causal without segments or padding: the tiles wholly below the diagonal (every key
+    <= the tile's first query) run without the mask, the diagonal tiles with it.
+    """
+    upper = causal_key_blocks(q_block_index, block_q, block_k, n_k, mask)
+    if not mask.causal or mask.every_tile:
+        return lax.fori_loop(0, upper, functools.partial(body, masked=mask.causal or mask.every_tile), init)
+    n_full = jnp.minimum(upper, (q_block_index * block_q + 1) // block_k)
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
+    return lax.fori_loop(n_full, upper, functools.partial(body, masked=True), carry)
+
+
+def query_loop(body, init, k_block_index, block_q, block_k, n_q, mask: MaskSpec):
+    """``carry = body(i, carry, masked)`` over the query tiles that see key tile j.
+
+    Causal: starts at the first query tile that sees key tile j; without segments or
+    padding, tiles wholly below the diagonal (every query >= the tile's last key) skip
+    the mask.
+    """
     if not mask.causal:
-        return 0
-    return (k_block_index * block_k) // block_q
+        return lax.fori_loop(0, n_q, functools.partial(body, masked=mask.every_tile), init)
+    first = (k_block_index * block_k) // block_q
+    if mask.every_tile:
+        return lax.fori_loop(first, n_q, functools.partial(body, masked=True), init)
+    full_from = jnp.minimum(n_q, pl.cdiv((k_block_index + 1) * block_k - 1, block_q))
+    carry = lax.fori_loop(first, full_from, functools.partial(body, masked=True), init)
+    return lax.fori_loop(full_from, n_q, functools.partial(body, masked=False), carry)
 
 
 class Dims(NamedTuple):

@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.fp8_attention import common
@@ -55,18 +54,20 @@ def _matched_delta_kernel(
     q_pos = common.positions(i, block_q)
     q_seg = q_seg_ref[...] if mask.segments else None
 
-    def body(j, acc):
+    def body(j, acc, masked):
         keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        k_seg = kv_seg_ref[keys] if mask.segments else None
-        valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
+        valid = None
+        if masked:
+            k_seg = kv_seg_ref[keys] if mask.segments else None
+            valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
         p, dp = common.probs_and_dp(
             q8, inv_q, k_ref[keys, :], inv_k_ref[keys], do8, inv_do, v_ref[keys, :],
             inv_v_ref[keys], lse, valid, sm_scale,
         )
         return acc + jnp.sum(p * dp, axis=1)  # delta_i += sum_j P_ij dP^_ij
 
-    upper = common.causal_key_blocks(i, block_q, block_k, n_k, mask)
-    delta_ref[...] = lax.fori_loop(0, upper, body, jnp.zeros((block_q,), F32))
+    init = jnp.zeros((block_q,), F32)
+    delta_ref[...] = common.key_loop(body, init, i, block_q, block_k, n_k, mask)
 
 
 def matched_delta(

@@ -14,7 +14,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from dm_jax import numerics
@@ -37,11 +36,13 @@ def _forward_kernel(
     q_seg = q_seg_ref[...] if mask.segments else None
     p_scale = numerics.p_scale(precision)
 
-    def body(j, carry):
+    def body(j, carry, masked):
         m, l, acc = carry
         keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        k_seg = kv_seg_ref[keys] if mask.segments else None
-        valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
+        valid = None
+        if masked:
+            k_seg = kv_seg_ref[keys] if mask.segments else None
+            valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
         s = common.scores(q8, k_ref[keys, :], inv_q, inv_k_ref[keys], sm_scale, valid)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with nothing visible yet
@@ -60,8 +61,7 @@ def _forward_kernel(
         jnp.zeros((block_q,), F32),
         jnp.zeros((block_q, dv), F32),
     )
-    upper = common.causal_key_blocks(i, block_q, block_k, n_k, mask)
-    m, l, acc = lax.fori_loop(0, upper, body, init)
+    m, l, acc = common.key_loop(body, init, i, block_q, block_k, n_k, mask)
     empty = l == 0.0
     o_ref[...] = (acc / jnp.where(empty, 1.0, l)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))

@@ -16,7 +16,7 @@ from pallas_kernels.fp8_attention import forward as fwd_kernels
 from pallas_kernels.fp8_attention.common import MaskSpec
 from pallas_kernels.fp8_attention.config import BlockSizes
 from pallas_kernels.fp8_attention.quantize import (
-    pad_rows, pad_segment_ids, quantize,
+    pad_rows, pad_segment_ids, padded_length, quantize,
 )
 
 MAX_HEAD_DIM = 256
@@ -48,7 +48,9 @@ def unsupported_reason(q_shape, k_shape, v_shape, dtype, block_sizes: BlockSizes
 
 
 def _mask(q, k, q_ids, causal):
-    return MaskSpec(t=q.shape[1], s=k.shape[1], causal=causal, segments=q_ids is not None)
+    t, s = q.shape[1], k.shape[1]
+    return MaskSpec(t=t, s=s, causal=causal, segments=q_ids is not None,
+                    padded=(t, s) != (padded_length(t), padded_length(s)))
 
 
 def _segments(q_ids, kv_ids, tp, sp):
