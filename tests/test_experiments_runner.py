@@ -87,7 +87,8 @@ def test_statuses_and_report(tmp_path, faked):
 
 def test_time_budget_sets_common_steps_and_stops_slow_arms(tmp_path, faked, monkeypatch):
     faked.update(matched="ok", stale="slow")
-    monkeypatch.setattr(budget, "calibrate", lambda make, scratch, steps, hooks: budget.Calibration(0.01, 1.0))
+    monkeypatch.setattr(budget, "calibrate", lambda make, scratch, steps, hooks: budget.Calibration(
+        0.01 if make(steps, scratch, 1).arm == "matched" else 0.005, 1.0))  # matched is the slower arm
     out = str(tmp_path / "out")
     # 0.05 min = 3 s: the default 60 s evaluation reserve would leave nothing, so keep 1.2 s.
     argv = ["--preset", "tiny", "--arms", "matched,stale", "--minutes-per-arm", "0.05", "--eval-minutes", "0.02",

