@@ -8,12 +8,13 @@ spent, so an arm that runs slower than calibrated still ends on time with a usab
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 from train import loop, metrics
 
@@ -62,6 +63,45 @@ def steps_for_budget(cal: Calibration, budget_s: float, *, reserve_s: float, mar
             f"{cal.setup_seconds:.0f} s, evaluation reserve {reserve_s:.0f} s, "
             f"{cal.seconds_per_step:.3f} s/step)")
     return steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Steps every arm trains; the calibration that set them. `charge_s`: calibration time
+    taken from each arm's budget (all of it, shared out over the arms)."""
+
+    steps: int
+    calibrations: dict  # arm -> Calibration
+    calibration_s: float
+    charge_s: float
+
+
+def plan(arms: Sequence[str], make_config: Callable[[str, int, str, int], object], scratch_dir: str, *,
+         budget_s: float, reserve_s: float, calibration_steps: int = 10, every_arm: bool = True,
+         hooks=None, log: Callable[[str], None] = print) -> Optional[Plan]:
+    """Calibrates `arms` (every one, or only the first that trains) and returns the largest
+    step count that fits every calibrated arm into `budget_s` (None if none could train).
+
+    make_config(arm, steps, run_dir, log_every) -> RunConfig.
+    """
+    start, calibrations = time.perf_counter(), {}
+    for arm in arms:
+        if calibrations and not every_arm:
+            break
+        log(f"calibrating {arm} ({calibration_steps} steps)")
+        try:
+            cal = calibrate(functools.partial(make_config, arm), scratch_dir, steps=calibration_steps, hooks=hooks)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the arm's own run reports it again
+            log(f"  calibration of {arm} failed ({type(e).__name__}: {e})")
+            continue
+        calibrations[arm] = cal
+        log(f"  {cal.seconds_per_step:.3f} s/step, set-up {cal.setup_seconds:.0f} s")
+    if not calibrations:
+        return None
+    calibration_s = time.perf_counter() - start
+    charge_s = calibration_s / len(arms)
+    steps = min(steps_for_budget(c, budget_s - charge_s, reserve_s=reserve_s) for c in calibrations.values())
+    return Plan(steps, calibrations, calibration_s, charge_s)
 
 
 class TimeLimit:

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--eval-minutes", type=float, default=None, help="part of each arm's budget kept for evaluation "
       "(default: a quarter of it, at least 1)")
     a("--calibration-steps", type=int, default=10)
+    a("--calibrate", default="all", choices=("all", "first"),
+      help="with --minutes-per-arm: time every arm (the slowest sets the step count) or only the first")
     a("--seed", type=int, default=0, help="initialization and data-order seed, shared by all arms")
     a("--packing", default="concat", choices=config_lib.PACKINGS,
       help="training windows: plain concatenation (default; cuDNN FP8 attention takes no document "
@@ -215,28 +217,19 @@ def _plan_steps(args, preset, arms: Sequence[str], runs_dir: str) -> tuple[int, 
     budget_s = 60 * args.minutes_per_arm
     reserve_s = 60 * args.eval_minutes if args.eval_minutes is not None else max(60.0, budget_s / 4)
     runnable = [a for a in arms if presets.unavailable_reason(a, packing=args.packing) is None]
-    if not runnable:
+    p = budget_lib.plan(
+        runnable, lambda arm, steps, run_dir, log_every: make_run_config(args, preset, arm, steps, run_dir, log_every),
+        os.path.join(runs_dir, "_calibration"), budget_s=budget_s, reserve_s=reserve_s,
+        calibration_steps=args.calibration_steps, every_arm=args.calibrate == "all",
+        hooks=hooks_for(args.packing), log=console.print)
+    if p is None:
         return args.steps or preset.steps, reserve_s, {}
-    start, cal = time.perf_counter(), None
-    for arm in runnable:  # the first arm that trains at all sets the pace
-        console.print(f"[bold]calibrating[/bold] on {arm} ({args.calibration_steps} steps)")
-        try:
-            cal = budget_lib.calibrate(
-                lambda steps, run_dir, log_every: make_run_config(args, preset, arm, steps, run_dir, log_every),
-                os.path.join(runs_dir, "_calibration"), steps=args.calibration_steps, hooks=hooks_for(args.packing))
-            break
-        except (Exception, SystemExit) as e:
-            console.print(f"  calibration on {arm} failed ({type(e).__name__}: {e}); trying the next arm")
-    if cal is None:
-        return args.steps or preset.steps, reserve_s, {}
-    calibration_s = time.perf_counter() - start
-    # The calibration is paid from the whole budget: each runnable arm gives up its share.
-    charge_s = calibration_s / len(runnable)
-    steps = budget_lib.steps_for_budget(cal, budget_s - charge_s, reserve_s=reserve_s)
-    steps = min(steps, args.steps) if args.steps else steps
-    console.print(f"  {cal.seconds_per_step:.3f} s/step, set-up {cal.setup_seconds:.0f} s -> {steps} steps per arm")
-    return steps, reserve_s, dict(budget_s=budget_s, calibration_s=calibration_s, charge_s=charge_s,
-                                  seconds_per_step=cal.seconds_per_step, setup_s=cal.setup_seconds)
+    steps = min(p.steps, args.steps) if args.steps else p.steps
+    console.print(f"{steps} steps per arm")
+    speeds = ", ".join(f"{a} {c.seconds_per_step:.3f} s/step (set-up {c.setup_seconds:.0f} s)"
+                       for a, c in p.calibrations.items())
+    return steps, reserve_s, dict(budget_s=budget_s, calibration_s=p.calibration_s, charge_s=p.charge_s,
+                                  speeds=speeds)
 
 
 def _setup_lines(args, preset, steps: int, notes: dict) -> list[str]:
@@ -255,8 +248,8 @@ def _setup_lines(args, preset, steps: int, notes: dict) -> list[str]:
         f"{', '.join(map(str, preset.ruler.context_lengths))}; {preset.ruler.examples} examples each",
     ]
     if notes:
-        lines.append(f"Budget: {notes['budget_s'] / 60:.1f} min per arm; calibration {notes['calibration_s']:.0f} s "
-                     f"({notes['seconds_per_step']:.3f} s/step, set-up {notes['setup_s']:.0f} s)")
+        lines.append(f"Budget: {notes['budget_s'] / 60:.1f} min per arm; calibration {notes['calibration_s']:.0f} s: "
+                     f"{notes['speeds']}")
     return lines
 
 
