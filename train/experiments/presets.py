@@ -11,19 +11,24 @@ from typing import Optional
 
 import jax
 
+from train.config import ATTENTION_ARMS as ARMS
 from train.eval.suite import RulerConfig
 
-ARMS = ("reference", "bf16", "matched", "do_matched", "stale", "cudnn_fp8", "cudnn_bf16")
 DEFAULT_ARMS = ("reference", "stale", "do_matched", "matched", "cudnn_fp8")
 
 
 @dataclasses.dataclass(frozen=True)
 class ComparePreset:
-    """model_preset: a `train` preset (SIZE or FAMILY-SIZE). steps: default training length.
-    val_batches: validation batches for CE and the masking probe. probe_rows: sequences fed
-    to the dS row-sum residual probe. ruler: the long-context suite. log_every/eval_every:
-    training-time logging (gains every log step, validation CE every eval step, the arm's own
-dS row-sum residual every probe step)."""
+    """One comparison's shared settings.
+
+    model_preset: a `train` size preset (the family comes from `--family`).
+    batch_size, seq_len, steps, learning_rate: training (steps: without a time budget).
+    log_every, eval_every, probe_every: training-time metrics (gains every log step,
+      validation CE every eval step, the arm's own dS row-sum residual every probe step).
+    val_batches: validation batches for CE and the masking probe.
+    probe_rows: sequences of one validation batch fed to the dS row-sum residual probe.
+    ruler: the long-context suite.
+    """
 
     model_preset: str
     batch_size: int
