@@ -71,19 +71,21 @@ def test_residual_probe_on_real_activations():
     import jax.numpy as jnp
     from flax import nnx
 
-    from dm_jax import diagnostics
-    from test_train_standin import StandinLM, standin_probe
+    from dm_jax import diagnostics, models
     from train.experiments.evaluate import jit_with_model
 
-    model = StandinLM(257, rngs=nnx.Rngs(0))
-    batch = _batch(B=2, T=32)
-    jitted = jit_with_model(model, standin_probe)
+    config = models.preset("gdn_gqa", "tiny", vocab_size=V)
+    model = models.HybridLM(config, rngs=nnx.Rngs(0))
+    batch = _batch(B=2, T=64)
+    jitted = jit_with_model(model, models.attention_probe)
     probe = lambda t, y: jitted(jnp.asarray(t), jnp.asarray(y))  # noqa: E731
     row_sums = jax.jit(functools.partial(diagnostics.row_sum_residuals, implementation="reference"),
                        static_argnames=("causal", "delta"))
     stats = residual_probe(probe, row_sums, dict(batch, segments=None))
     by = {(s.layer, s.delta): s for s in stats}
-    for layer in (0, 1):
+    layers = sorted({s.layer for s in stats})
+    assert layers == list(config.attention_layer_indices)
+    for layer in layers:
         assert by[(layer, "matched")].pre_cast < 1e-5
         assert by[(layer, "stale")].pre_cast > 100 * by[(layer, "matched")].pre_cast
     assert all(r > 1.0 for r in residual_ratio(stats).values())
