@@ -259,7 +259,11 @@ def finish(out: str, arms: Sequence[str], setup: Sequence[str]) -> str:
                if os.path.exists(os.path.join(out, "results", f"{a}.json"))]
     logged = [os.path.join(out, "metrics", r["arm"]) for r in results
               if metrics.read_metrics(os.path.join(out, "metrics", r["arm"]))]
-    made = plot.plot_runs(logged, out) if logged else []
+    try:
+        made = plot.plot_runs(logged, out) if logged else []
+    except Exception:  # noqa: BLE001 - a report without plots beats none
+        traceback.print_exc()
+        made = []
     title = f"Attention arms compared: {os.path.basename(os.path.abspath(out))}"
     return report.write_report(os.path.join(out, "report.md"), results, title=title, setup=setup,
                                plots={os.path.splitext(os.path.basename(p))[0]: p for p in made})
@@ -298,11 +302,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             continue
         console.rule(f"[bold]arm {i + 1}/{len(arms)}: {arm}[/bold] ({steps} steps)")
         limit = notes["budget_s"] - reserve_s - notes["charge_s"] if notes else None  # training time
-        run_dir = os.path.join(runs_dir, arm)
+        run_dir, logged = os.path.join(runs_dir, arm), os.path.join(out, "metrics", arm)
+        shutil.rmtree(logged, ignore_errors=True)  # from an earlier comparison
         result = run_arm(args, preset, arm, steps, run_dir, limit)
         if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # plots are labelled by folder
-            os.makedirs(os.path.join(out, "metrics", arm), exist_ok=True)
-            shutil.copy(os.path.join(run_dir, "metrics.jsonl"), os.path.join(out, "metrics", arm))
+            os.makedirs(logged)
+            shutil.copy(os.path.join(run_dir, "metrics.jsonl"), logged)
         _write_json(path, result)
         console.print(f"{arm}: {result['status']}" + (f" ({result['reason']})" if result.get("reason") else ""))
         finish(out, arms, setup)  # a report after every arm: a killed run still leaves one
