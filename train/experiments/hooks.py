@@ -22,6 +22,11 @@ class IgnoreSegments(nnx.Module):
     def __init__(self, inner: nnx.Module):
         self.inner = inner
 
+    @property
+    def config(self):
+        """The wrapped model's config (the trainer reads e.g. its vocabulary size)."""
+        return self.inner.config
+
     def __call__(self, tokens_BT, *, segment_ids=None, **kwargs):
         del segment_ids  # all equal under concatenation
         return self.inner(tokens_BT, **kwargs)
