@@ -33,9 +33,8 @@ def calibrate(make_config: Callable[[int, str, int], object], scratch_dir: str, 
     """Trains `steps` steps in `scratch_dir` (deleted afterwards) and times them.
 
     make_config(steps, run_dir, log_every) -> RunConfig; `hooks` go to `train.loop.train`.
-    Logging at `steps // 2` and
-    `steps` makes the second logged tokens/s a steady-state rate (compilation falls in the
-    first interval).
+    Logging at `steps // 2` and `steps` makes the second logged tokens/s a steady-state rate
+    (compilation falls in the first interval).
     """
     if steps < 4:
         raise ValueError(f"steps: calibration needs >= 4 steps, got {steps}")
