@@ -53,3 +53,21 @@ def test_document_packing_runs_with_segment_ids(tmp_path):
     assert math.isfinite(r["val_ce"]) and r["residual_ratio_post"]["3"] > 1
     assert all(math.isnan(s["exact_match"]) and s["gold_logprob"] < 0 for s in r["ruler"])
     assert "segments packing" in open(os.path.join(out, "report.md")).read()
+
+
+def test_small_preset_is_ready_for_a_gpu(tmp_path):
+    """Without training: every default arm gets a valid config, the shapes suit cuDNN FP8
+    (head dim 128, sequence a multiple of 128) and the long-context prompts fit."""
+    from train.data import ByteTokenizer
+    from train.eval import build_haystack, generate
+
+    args = compare.build_parser().parse_args(["--out", str(tmp_path)])
+    preset = compare._preset(args)
+    for arm in presets.DEFAULT_ARMS:
+        cfg = compare.make_run_config(args, preset, arm, 100, str(tmp_path / arm))
+        assert cfg.attention == arm and cfg.model_config.head_dim == 128 and cfg.seq_len % 128 == 0
+    tok, hay = ByteTokenizer(), build_haystack()
+    for length in preset.ruler.context_lengths:
+        for task in preset.ruler.tasks:
+            (ex,) = generate(task, length, 1, haystack=hay, tokenizer=tok)
+            assert len(tok.encode(ex.prompt + ex.target)) <= length
