@@ -148,9 +148,10 @@ class HybridConfig:
 
     Counts 2 FLOPs per multiply-add of every weight matmul (LM head included, embedding
     lookup excluded), the causal attention core (QK^T and PV over (seq_len + 1) / 2 keys on
-    average), and the chunked linear recurrences (intra-chunk scores and state products,
-    chunk size C: 2 H (C (K + V) + 3 K V) per token, plus C K for the delta rule's
-    triangular system). Elementwise work and softmax are not counted.
+    average), and the chunked linear recurrences (chunk size C, per token and head:
+    2 (C (K + V) + 2 K V) for the intra-chunk scores, P U, q S and k^T U, plus
+    2 (C K + K V) for the delta rule's A matrix and W S). Triangular solves, elementwise
+    work and softmax are not counted.
     """
     if seq_len <= 0:
       raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -164,7 +165,7 @@ class HybridConfig:
         fwd += 2.0 * self.num_heads * (dqk + dv) * (seq_len + 1) / 2
       elif kind == "mamba2":
         H, K, V = self.mamba_num_heads, self.mamba_state_dim, self.mamba_head_dim
-        fwd += 2.0 * H * (C * (K + V) + 3 * K * V)
+        fwd += 2.0 * H * (C * (K + V) + 2 * K * V)
       else:
         H, K, V = self.linear_num_heads, self.linear_key_dim, self.linear_value_dim
         fwd += 2.0 * H * (C * (2 * K + V) + 3 * K * V)
