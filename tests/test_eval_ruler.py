@@ -46,6 +46,10 @@ def test_needles_hold_the_gold_values(haystack, task):
         # Distractor keys (multikey) carry other values that are not gold.
         all_values = re.findall(r"is: (\d{7})\.", ex.prompt)
         assert len(all_values) == {"niah_single": 1}.get(task, 4)
+        # The likelihood distractor: same count and form; in the text exactly for multikey.
+        assert len(ex.distractors) == len(ex.answers) and not set(ex.distractors) & set(ex.answers)
+        assert all(re.fullmatch(r"\d{7}", d) for d in ex.distractors)
+        assert all((d in all_values) == (task == "niah_multikey") for d in ex.distractors)
 
 
 def test_variable_chain_resolves_to_the_answers(haystack):
@@ -55,6 +59,7 @@ def test_variable_chain_resolves_to_the_answers(haystack):
         for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", ex.prompt):
             env[name] = env[rhs[4:]] if rhs.startswith("VAR ") else rhs  # defined before use
         assert sorted(n for n, v in env.items() if v == value) == sorted(ex.answers)
+        assert all(re.fullmatch(r"[A-Z]{5}", d) and d not in ex.prompt for d in ex.distractors)
 
 
 @pytest.mark.parametrize("task,top", [("common_words", 5), ("frequent_words", 3)])
@@ -65,6 +70,8 @@ def test_word_tasks_answer_is_strictly_most_frequent(haystack, task, top):
         assert len(ex.answers) == top
         rest = max(c for w, c in counts.items() if w not in ex.answers)
         assert min(counts[a] for a in ex.answers) > rest
+        # Distractors: words of the list, rarer than every answer.
+        assert len(ex.distractors) == top and max(counts[d] for d in ex.distractors) < min(counts[a] for a in ex.answers)
 
 
 def test_too_short_context_is_a_clear_error(haystack):

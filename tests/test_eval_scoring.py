@@ -68,6 +68,9 @@ def test_copy_model_finds_the_needle(niah):
     assert copy.exact_match == 1.0 and copy.partial_match == 1.0
     assert blind.exact_match == 0.0
     assert copy.gold_logprob > -0.5 > np.log(1 / V) - 1e-6 >= blind.gold_logprob - 1e-6
+    # Against a wrong number of the same form: the copier prefers the gold, the blind model cannot.
+    assert copy.margin > 1.0 and copy.choice == 1.0
+    assert blind.margin == pytest.approx(0.0, abs=1e-9) and blind.choice == 0.0
 
 
 def test_likelihood_separates_gold_from_a_wrong_value(niah):
@@ -84,5 +87,6 @@ def test_run_ruler_scores_every_task_and_length():
     assert [(s.task, s.context_length) for s in scores] == [("niah_single", 512), ("frequent_words", 512)]
     assert np.isnan(scores[0].exact_match)
     assert summarize(scores)[512]["gold_logprob"] == pytest.approx(np.log(1 / V), rel=1e-5)
+    assert summarize(scores)[512]["margin"] == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ValueError, match="tasks"):
         RulerConfig(tasks=("bogus",))

@@ -17,8 +17,9 @@ def _done(arm, gain, ratio):
                            for d, p in (("stale", 6e-3), ("matched", 1e-8))],
                 residual_ratio_post={"3": ratio},
                 ruler=[dict(task="niah_single", context_length=512, n=2, exact_match=0.5,
-                            partial_match=0.5, gold_logprob=-1.25)],
-                ruler_summary={"512": dict(exact_match=0.5, partial_match=0.5, gold_logprob=-1.25)})
+                            partial_match=0.5, gold_logprob=-1.25, margin=0.75, choice=1.0)],
+                ruler_summary={"512": dict(exact_match=0.5, partial_match=0.5, gold_logprob=-1.25,
+                                           margin=0.75, choice=1.0)})
 
 
 def test_cudnn_arms_are_not_run_on_cpu():
@@ -38,10 +39,10 @@ def test_report_has_a_row_per_arm_and_the_not_run_reason(tmp_path):
                                plots={"loss": str(tmp_path / "loss.png")})
     text = open(path).read()
     summary = text.split("## Summary")[1].split("\n\n")[1].splitlines()
-    assert summary[0].startswith("| arm | status | steps | train CE | val CE | RULER-512 EM / logprob")
+    assert summary[0].startswith("| arm | status | steps | train CE | val CE | RULER-512 EM / logprob / margin")
     rows = {r.split("|")[1].strip(): r for r in summary[2:]}
     assert set(rows) == {"stale", "matched", "cudnn_fp8"}
-    assert "| 5.400 |" in rows["stale"] and "| 5.80 |" in rows["stale"] and "0.500 / -1.250" in rows["stale"]
+    assert "| 5.400 |" in rows["stale"] and "| 5.80 |" in rows["stale"] and "0.500 / -1.250 / 0.750" in rows["stale"]
     assert "not run" in rows["cudnn_fp8"] and "| - |" in rows["cudnn_fp8"]
     assert "**not run**: needs an NVIDIA GPU" in text
     assert "![loss](loss.png)" in text and "6.00e-03 / 6.00e-02" in text

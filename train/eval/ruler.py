@@ -19,6 +19,7 @@ works for byte-level and subword vocabularies.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 import string
@@ -38,25 +39,50 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+def _continuation(items: Sequence[str]) -> str:
+    return " " + ", ".join(items) + "."
+
+
 @dataclasses.dataclass(frozen=True)
 class RulerExample:
     """One task instance: `prompt` ends with the answer prefix; `answers` are the gold strings.
 
-    `target` is the gold continuation scored by log-likelihood (all answers, in order).
+    `distractors`: as many wrong answers of the same form (a value of another key, a rarer
+    word of the list, a fresh number or name), so that the likelihood of `target` (all
+    answers, in order) can be compared with that of `distractor_target`.
     """
 
     task: str
     context_length: int
     prompt: str
     answers: tuple[str, ...]
+    distractors: tuple[str, ...]
 
     @property
     def target(self) -> str:
-        return " " + ", ".join(self.answers) + "."
+        return _continuation(self.answers)
+
+    @property
+    def distractor_target(self) -> str:
+        return _continuation(self.distractors)
 
 
 def _number(rng: random.Random) -> str:
     return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def _fresh(rng: random.Random, make, count: int, text: str) -> list[str]:
+    """`count` distinct strings from `make(rng)` that do not occur in `text`."""
+    out: list[str] = []
+    while len(out) < count:
+        item = make(rng)
+        if item not in text and item not in out:
+            out.append(item)
+    return out
+
+
+def _name(rng: random.Random) -> str:
+    return "".join(rng.choices(string.ascii_uppercase, k=5))
 
 
 def _key(rng: random.Random, hay: Haystack) -> str:
@@ -71,7 +97,7 @@ class _Budget:
     """Counts tokens of a prompt under construction against `context_length`."""
 
     def __init__(self, tok: Tokenizer, context_length: int, fixed: str, answers: Sequence[str]):
-        reserve = len(tok.encode(" " + ", ".join(answers) + ".")) + 1
+        reserve = len(tok.encode(_continuation(answers))) + 1
         self.tok = tok
         self.left = context_length - reserve - len(tok.encode(fixed))
         if self.left <= 0:
@@ -119,11 +145,14 @@ def _niah(rng, hay, tok, n, *, n_keys, n_values, n_queries):
             f"\nAnswer: The special magic {what} for {keys_text} {verb}:")
     head = "Remember the special magic numbers hidden in this text.\n"
     budget = _Budget(tok, n, head + tail, answers)
-    return head + _prose_with_inserts(rng, hay, budget, needles) + tail, answers
+    prompt = head + _prose_with_inserts(rng, hay, budget, needles) + tail
+    # Values of keys not asked for are in the text: the likelihood must tell them apart.
+    others = [v for k in keys[n_queries:] for v in values[k]][: len(answers)]
+    return prompt, answers, others + _fresh(rng, _number, len(answers) - len(others), prompt)
 
 
 def _variable_tracking(rng, hay, tok, n, *, hops=4):
-    names = ["".join(rng.choices(string.ascii_uppercase, k=5)) for _ in range(hops + 1)]
+    names = _fresh(rng, _name, hops + 1, "")
     value = _number(rng)[:5]
     chain = [f"VAR {names[0]} = {value}."] + [
         f"VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)
@@ -132,7 +161,8 @@ def _variable_tracking(rng, hay, tok, n, *, hops=4):
     head = "Memorize and track the chain of variable assignments hidden in the following text.\n"
     budget = _Budget(tok, n, head + tail, names)
     # Insert the chain in order: the depths are sorted, so assignment i precedes i + 1.
-    return head + _prose_with_inserts(rng, hay, budget, chain) + tail, names
+    prompt = head + _prose_with_inserts(rng, hay, budget, chain) + tail
+    return prompt, names, _fresh(rng, _name, len(names), prompt)
 
 
 def _word_list(rng, budget, counts: dict[str, int], more: Callable[[], tuple[str, int]], sep: str):
@@ -162,8 +192,10 @@ def _common_words(rng, hay, tok, n):
     common = max(3, fit // (3 * n_common))  # common words take about a third of the list
     items = _word_list(rng, budget, {w: common for w in common_words},
                        lambda: (rng.choice(hay.words), max(1, common // 3)), ", ")
-    first = {w: items.index(w) for w in common_words}
-    return head + ", ".join(items) + "." + tail, sorted(common_words, key=first.__getitem__)
+    counts = collections.Counter(items)
+    by_first = lambda words: sorted(words, key=items.index)  # noqa: E731
+    rare = by_first(w for w in counts if counts[w] < common)[:n_common]
+    return head + ", ".join(items) + "." + tail, by_first(common_words), rare
 
 
 def _frequent_words(rng, hay, tok, n, *, top=3):
@@ -182,8 +214,8 @@ def _frequent_words(rng, hay, tok, n, *, top=3):
         return code(), max(1, a // rank[0])
 
     items = _word_list(rng, budget, counts, more, " ")
-    best = sorted(counts, key=counts.__getitem__, reverse=True)[:top]
-    return head + " ".join(items) + tail, best
+    ranked = sorted(counts, key=counts.__getitem__, reverse=True)
+    return head + " ".join(items) + tail, ranked[:top], ranked[-top:]
 
 
 _BUILDERS = {
@@ -210,8 +242,8 @@ def generate(task: str, context_length: int, n_examples: int, *, haystack: Hayst
     rng = random.Random(f"{task}/{context_length}/{seed}")
     out = []
     for _ in range(n_examples):
-        prompt, answers = _BUILDERS[task](rng, haystack, tokenizer, context_length)
-        example = RulerExample(task, context_length, prompt, tuple(answers))
+        prompt, answers, distractors = _BUILDERS[task](rng, haystack, tokenizer, context_length)
+        example = RulerExample(task, context_length, prompt, tuple(answers), tuple(distractors))
         used = len(tokenizer.encode(prompt + example.target))
         if used > context_length:  # a tokenizer that merges across the pieces we counted
             raise ValueError(f"context_length: {task} example needs {used} > {context_length} tokens")

@@ -1,4 +1,5 @@
-"""Scoring a causal LM on prompted tasks: greedy exact match and gold-answer log-likelihood.
+"""Scoring a causal LM on prompted tasks: greedy exact match, gold-answer log-likelihood and
+its margin over a distractor answer.
 
 The model is any callable `logits_fn(tokens_BT int32 [B, T]) -> logits [B, T, V]` of a
 causal LM. Batches are right-padded to a fixed [rows, length] (causality makes the padding
@@ -106,6 +107,9 @@ class TaskScore:
     exact_match: share of examples whose greedy answer line contains every gold answer.
     partial_match: mean share of gold answers found in the greedy answer line.
     gold_logprob: mean per-token log-likelihood (nats) of the gold answer text.
+    margin: mean of gold minus distractor per-token log-likelihood (0 for a model that
+      cannot tell them apart; > 0 when it retrieves the gold answer).
+    choice: share of examples where the gold answer is more likely than the distractor.
     """
 
     task: str
@@ -114,6 +118,8 @@ class TaskScore:
     exact_match: float
     partial_match: float
     gold_logprob: float
+    margin: float
+    choice: float
 
 
 def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence[RulerExample], *,
@@ -122,7 +128,7 @@ def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence
     greedy decoding (exact/partial match are then NaN) and only scores the likelihood."""
     if not examples or len({(e.task, e.context_length) for e in examples}) != 1:
         raise ValueError("examples: need a non-empty list of one task at one context length")
-    em, pm, lp = [], [], []
+    em, pm, lp, wrong = [], [], [], []
     # One [batch_size, length] shape for every task at this context length: one compile.
     length = _round_up(examples[0].context_length + _MAX_NEW, 128)
     shape = dict(pad_id=pad_id, length=length, rows=batch_size)
@@ -131,6 +137,8 @@ def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence
         prompts = [list(tokenizer.encode(e.prompt)) for e in chunk]
         golds = [list(tokenizer.encode(e.target)) for e in chunk]
         lp += continuation_logprob(logits_fn, prompts, golds, **shape).tolist()
+        distractors = [list(tokenizer.encode(e.distractor_target)) for e in chunk]
+        wrong += continuation_logprob(logits_fn, prompts, distractors, **shape).tolist()
         if generate:
             new_tokens = min(max(map(len, golds)) + 4, length - max(map(len, prompts)))
             line_ended = lambda ids: "\n" in tokenizer.decode(ids).lstrip()  # noqa: E731
@@ -138,7 +146,7 @@ def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence
             fractions = [match_fraction(answer_line(tokenizer.decode(o)), e.answers) for o, e in zip(outs, chunk)]
             pm += fractions
             em += [float(f == 1.0) for f in fractions]
-    nan = float("nan")
+    nan, lp, wrong = float("nan"), np.array(lp), np.array(wrong)
     return TaskScore(examples[0].task, examples[0].context_length, len(examples),
                      float(np.mean(em)) if em else nan, float(np.mean(pm)) if pm else nan,
-                     float(np.mean(lp)))
+                     float(lp.mean()), float((lp - wrong).mean()), float((lp > wrong).mean()))

@@ -44,16 +44,17 @@ def run_ruler(logits_fn: LogitsFn, tokenizer: Tokenizer, config: RulerConfig = R
                                 tokenizer=tokenizer, seed=config.seed)
             score = score_examples(logits_fn, tokenizer, examples, batch_size=config.batch_size,
                                    pad_id=pad_id, generate=config.generate)
-            log(f"  {task}@{length}: exact {score.exact_match:.3f} logprob {score.gold_logprob:.3f}")
+            log(f"  {task}@{length}: exact {score.exact_match:.3f} logprob {score.gold_logprob:.3f} "
+                f"margin {score.margin:.3f}")
             scores.append(score)
     return scores
 
 
 def summarize(scores: list[TaskScore]) -> dict[int, dict[str, float]]:
-    """Per context length: mean exact match, partial match and gold log-prob over tasks."""
+    """Per context length: each `TaskScore` metric averaged over tasks."""
     out = {}
     for length in sorted({s.context_length for s in scores}):
         group = [s for s in scores if s.context_length == length]
         out[length] = {k: sum(getattr(s, k) for s in group) / len(group)
-                       for k in ("exact_match", "partial_match", "gold_logprob")}
+                       for k in ("exact_match", "partial_match", "gold_logprob", "margin", "choice")}
     return out

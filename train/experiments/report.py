@@ -4,8 +4,8 @@ Arm results are the JSON-ready dicts `compare.py` writes to `results/<arm>.json`
   arm, status, reason, steps, train_ce, val_ce, tokens_per_s, train_seconds, eval_seconds,
   gains {layer: {max_gain, top1_share, top4_share}}, masking {layer, ce, ce_masked, increase},
   residuals [{layer, delta, pre_cast, post_cast}], residual_ratio_post {layer: ratio},
-  ruler [{task, context_length, n, exact_match, partial_match, gold_logprob}],
-  ruler_summary {length: {exact_match, partial_match, gold_logprob}},
+  ruler [{task, context_length, n, exact_match, partial_match, gold_logprob, margin, choice}],
+  ruler_summary {length: {the same means over tasks}},
   errors {evaluation part: message}, residual_implementation (when the probe fell back).
 Missing entries print as "-".
 """
@@ -15,6 +15,16 @@ from __future__ import annotations
 import math
 import os
 from typing import Mapping, Sequence
+
+
+LEGEND = (
+    "EM: greedy exact match (every gold answer in the first line the model writes); logprob: mean "
+    "log-likelihood per token of the gold answer (nats, higher is better); margin: gold minus "
+    "distractor log-likelihood (a wrong answer of the same form, e.g. another key's value; 0 = no "
+    "retrieval). Max QK gain / top-1 share: worst attention layer. Masking dCE: validation CE "
+    "increase when the last attention layer's output is zeroed. Post-cast ratio: mean normalized dS "
+    "row-sum residual after the FP8 cast, stale delta over Delta-Matching, on this arm's trained "
+    "activations (mean over layers).")
 
 
 def fmt(x, spec: str = ".4f") -> str:
@@ -42,14 +52,14 @@ def summary_table(results: Sequence[Mapping]) -> list[str]:
     """One row per arm: losses, long-context means, worst gain layer, probes, throughput."""
     lengths = _lengths(results)
     header = (["arm", "status", "steps", "train CE", "val CE"]
-              + [f"RULER-{n} EM / logprob" for n in lengths]
+              + [f"RULER-{n} EM / logprob / margin" for n in lengths]
               + ["max QK gain", "max top-1 share", "masking dCE", "post-cast ratio stale/matched", "tokens/s"])
     rows = []
     for r in results:
         gains = (r.get("gains") or {}).values()
         summ = r.get("ruler_summary") or {}
-        ruler = [f"{fmt((summ.get(n) or {}).get('exact_match'), '.3f')} / "
-                 f"{fmt((summ.get(n) or {}).get('gold_logprob'), '.3f')}" for n in lengths]
+        ruler = [" / ".join(fmt((summ.get(n) or {}).get(k), ".3f") for k in ("exact_match", "gold_logprob", "margin"))
+                 for n in lengths]
         rows.append([r["arm"], r["status"], fmt(r.get("steps"), "d"), fmt(r.get("train_ce")),
                      fmt(r.get("val_ce"))] + ruler + [
             fmt(max((g["max_gain"] for g in gains), default=None), ".3f"),
@@ -93,9 +103,11 @@ def arm_section(r: Mapping) -> list[str]:
         lines += [f"Masking probe (attention layer {m['layer']} output zeroed): validation CE "
                   f"{fmt(m['ce'])} -> {fmt(m['ce_masked'])} (+{fmt(m['increase'])}).", ""]
     if r.get("ruler"):
-        lines += _table(["task", "context", "n", "exact match", "partial match", "gold logprob/token"],
-                        [[s["task"], str(s["context_length"]), str(s["n"]), fmt(s["exact_match"], ".3f"),
-                          fmt(s["partial_match"], ".3f"), fmt(s["gold_logprob"], ".3f")] for s in r["ruler"]])
+        keys = ("exact_match", "partial_match", "gold_logprob", "margin", "choice")
+        lines += _table(["task", "context", "n", "exact match", "partial match", "gold logprob/token",
+                         "margin over distractor", "gold preferred"],
+                        [[s["task"], str(s["context_length"]), str(s["n"])] + [fmt(s.get(k), ".3f") for k in keys]
+                         for s in r["ruler"]])
         lines.append("")
     return lines
 
@@ -106,11 +118,7 @@ def write_report(path: str, results: Sequence[Mapping], *, title: str, setup: Se
     here = os.path.dirname(path)
     lines = [f"# {title}", "", *[f"- {s}" for s in setup], "", "## Summary", ""]
     lines += summary_table(results)
-    lines += ["", "EM: greedy exact match (every gold answer in the first line the model writes); logprob: mean log-likelihood "
-              "per token of the gold answer (nats, higher is better). Max QK gain / top-1 share: worst "
-              "attention layer. Masking dCE: validation CE increase when the last attention layer's output "
-              "is zeroed. Post-cast ratio: mean normalized dS row-sum residual after the FP8 cast, stale "
-              "delta over Delta-Matching, on this arm's trained activations (mean over layers).", ""]
+    lines += ["", LEGEND, ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{name}]({os.path.relpath(p, here)})" for name, p in plots.items()] + [""]
     lines += ["## Arms", ""]
