@@ -60,6 +60,7 @@ class HybridConfig:
   conv_width: int = 4
   mixer_impl: str = "chunked"
   chunk_size: int = 64
+  kda_chunk_size: int = 32  # KDA's chunked form holds [C, C, K] pair decays
   # precision scopes: "fp8" | "bf16" (attn_core also "f32" for the reference arm)
   ffn: str = "fp8"
   attn_proj: str | None = None

@@ -30,7 +30,7 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
               dtype=dtype, rngs=rngs)
   builders = {
       "gdn": lambda: GatedDeltaNet(d, **linear),
-      "kda": lambda: KimiDeltaAttention(d, **linear),
+      "kda": lambda: KimiDeltaAttention(d, **dict(linear, chunk_size=cfg.kda_chunk_size)),
       "mamba2": lambda: Mamba2(d, head_dim=cfg.mamba_head_dim, state_dim=cfg.mamba_state_dim,
                                expand=cfg.mamba_expand, conv_width=cfg.conv_width,
                                impl=cfg.mixer_impl, chunk_size=cfg.chunk_size, dtype=dtype,

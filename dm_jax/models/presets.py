@@ -35,7 +35,8 @@ _GROUP = {"gdn_gqa": ("gdn", "gdn", "gdn", "attn"), "mamba2_gqa": ("mamba2",) * 
 
 # Per size: (groups of 4 layers, base fields). Target parameter count (None: fixed MLP).
 _SIZES = {
-    "tiny": (1, None, dict(vocab_size=256, d_model=64, mlp_hidden=128, chunk_size=16)),
+    "tiny": (1, None, dict(vocab_size=256, d_model=64, mlp_hidden=128, chunk_size=16,
+                               kda_chunk_size=16)),
     "small": (2, None, dict(
         vocab_size=256, d_model=512, mlp_hidden=1536, num_heads=4, num_kv_heads=2,
         head_dim=128, linear_num_heads=4, linear_key_dim=128, linear_value_dim=128,
