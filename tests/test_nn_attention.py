@@ -128,7 +128,7 @@ def test_cudnn_fp8_params_complete_and_bounded():
   from jax._src.cudnn import fused_attention_stablehlo as fa
   q = jax.random.normal(jax.random.key(0), (1, 256, 2, 128))
   s = baselines.current_scale(q)
-  params = baselines._fp8_params(s, s, s, q, q, q, 128 ** -0.5)
+  params = baselines._fp8_params(s, s, s, q)
   assert set(params) == set(fa.fp8_params_keys)
   assert all(p.shape == (1, 1, 1, 1) and p.dtype == jnp.float32 for p in params.values())
   np.testing.assert_allclose(params["descale_q"] * s, 1.0)
