@@ -22,7 +22,8 @@ pass writes dS with a Cauchy-Schwarz bound (|dP_ij| <= ||dO_i|| ||v_j||, |dS| <=
 and dQ, dK, dV with scale 1, and only its amax reports are kept: with scale 1 they are
 amax values of the real gradients whichever side of the scaling cuDNN measures them on.
 The second pass reruns forward and backward with every scale from those *current* amax
-values (2 x amax(dP) for dS). Every FP8 tensor is thus scaled from its own current amax,
+values (2 x amax for dS, which also holds delta, and for dQ, dK, whose first-pass amax
+comes from the bound-scaled dS and may read low). Every FP8 tensor is thus scaled from its own current amax,
 at the price of one extra forward and backward of the attention core per training step;
 time the forward, or read this arm's backward timings as an upper bound.
 
@@ -161,8 +162,8 @@ def _cudnn_fp8_bwd(scale, causal, res, do):
   do8 = quantize(do, s_do)
   *_, amax = _fp8_grads(vjp, out, do8)
   exact = {"scale_dP": current_scale(2 * amax["amax_dP"]),
-           "scale_dQ": current_scale(amax["amax_dQ"]),
-           "scale_dK": current_scale(amax["amax_dK"]),
+           "scale_dQ": current_scale(2 * amax["amax_dQ"]),
+           "scale_dK": current_scale(2 * amax["amax_dK"]),
            "scale_dV": current_scale(amax["amax_dV"])}
   exact["descale_dP"] = 1 / exact["scale_dP"]
   params = {**params, **{k: v.reshape(1, 1, 1, 1) for k, v in exact.items()}}
