@@ -155,8 +155,8 @@ def _cudnn_fp8_fwd(q, k, v, scale, causal):
 
 
 def _cudnn_fp8_bwd(scale, causal, res, do):
-  """Two passes: the first (output scales from bounds) measures amax of dP, dQ, dK, dV;
-  the second reruns forward and backward with those current amax values as scales."""
+  """Two passes: the first (dS scale from a bound, dQ/dK/dV at scale 1) measures the amax of
+  dP, dQ, dK, dV; the second reruns forward and backward with scales from those amax."""
   vjp, out, qkv8, params, like = res
   s_do = current_scale(do)
   do8 = quantize(do, s_do)
