@@ -27,7 +27,7 @@ TOKENIZERS = ("byte", "tiktoken")
 
 # Per-size run defaults (batch, seq_len, steps, lr); the model sizes live in dm_jax.models.
 SIZE_DEFAULTS = {
-    "tiny": dict(batch_size=8, seq_len=128, steps=150, learning_rate=3e-3),
+    "tiny": dict(batch_size=8, seq_len=128, steps=400, learning_rate=3e-3),
     "small": dict(batch_size=16, seq_len=2048, steps=500, learning_rate=1e-3),
     "569m": dict(batch_size=32, seq_len=4096, steps=2000, learning_rate=6e-4),
     "1.67b": dict(batch_size=64, seq_len=4096, steps=2000, learning_rate=4e-4),
@@ -129,7 +129,7 @@ class RunConfig:
     data: DataConfig = DataConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     run_dir: str = ""
-    steps: int = 150
+    steps: int = 400
     batch_size: int = 8
     seq_len: int = 128
     seed: int = 0
@@ -268,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--qk-norm", default=None, choices=("on", "off"), help="override the preset's QK-norm")
     a("--rope", default=None, choices=("on", "off"), help="override the preset's RoPE (off = NoPE)")
     a("--head-dim", type=int, default=None)
+    a("--mixer-impl", default=None, choices=("chunked", "naive"),
+      help="linear-mixer form; default: chunked on GPU, naive on CPU (XLA's CPU triangular solve "
+           "can deadlock on few cores)")
     a("--steps", type=int, default=None, help="total optimizer steps (sets the LR schedule)")
     a("--batch-size", type=int, default=None, help="global batch size in sequences")
     a("--seq-len", type=int, default=None)
@@ -326,6 +329,7 @@ def _from_args(args) -> RunConfig:
     spec = ModelSpec(family, size).with_overrides(
         attention=args.attention, attention_implementation=args.attention_implementation,
         qk_norm=onoff[args.qk_norm], rope=onoff[args.rope], head_dim=args.head_dim,
+        mixer_impl=args.mixer_impl or default_mixer_impl(),
         vocab_size=data_lib.vocab_size(data))
     opt = OptimizerConfig(
         name=args.optimizer, learning_rate=args.lr or defaults["learning_rate"],
@@ -348,6 +352,12 @@ def _from_args(args) -> RunConfig:
     except (TypeError, ValueError, KeyError) as e:
         raise ValueError(f"--preset {args.preset}: cannot build the model config: {e}") from e
     return cfg
+
+
+def default_mixer_impl() -> str:
+    import jax
+
+    return "naive" if jax.default_backend() == "cpu" else "chunked"
 
 
 def default_run_dir(preset: str, attention: str) -> str:

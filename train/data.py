@@ -75,14 +75,20 @@ def _is_token_file(path: str) -> bool:
     return os.path.isfile(path) and path.endswith((".npy", ".bin"))
 
 
+VOCAB_MULTIPLE = 64
+
+
 def vocab_size(data_cfg) -> int:
-    """Model vocabulary for this data: the tokenizer's, or (token files) max id + 1."""
+    """Model vocabulary for this data: the tokenizer's (token files: max id + 1), rounded up to
+    a multiple of VOCAB_MULTIPLE for matmul-friendly embedding and head shapes."""
     if _is_token_file(data_cfg.source):
         tokens = _load_token_file(data_cfg)
         top = int(tokens.max()) if tokens.size else 0
         eos = data_cfg.eos_id if data_cfg.eos_id is not None else -1
-        return max(top, eos) + 1
-    return make_tokenizer(data_cfg).vocab_size
+        n = max(top, eos) + 1
+    else:
+        n = make_tokenizer(data_cfg).vocab_size
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def _load_token_file(data_cfg) -> np.ndarray:
@@ -129,7 +135,8 @@ def load_splits(data_cfg) -> Splits:
     if _is_token_file(data_cfg.source):
         tokens = _load_token_file(data_cfg)
         n_val = max(1, int(len(tokens) * data_cfg.val_fraction))  # the tail is validation
-        return Splits(tokens[:-n_val], tokens[-n_val:], data_cfg.eos_id, vocab_size(data_cfg),
+        top = max(int(tokens.max()) if tokens.size else 0, data_cfg.eos_id or 0)
+        return Splits(tokens[:-n_val], tokens[-n_val:], data_cfg.eos_id, top + 1,
                       f"{len(tokens):,} tokens from {data_cfg.source}")
     tok = make_tokenizer(data_cfg)
     streams = {False: [], True: []}

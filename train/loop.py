@@ -183,7 +183,11 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
     splits = data_lib.load_splits(cfg.data)
     train_batches, val_batches = data_lib.make_batches(cfg, splits)
     model, graphdef, params, rest = _model_state(cfg, hooks)
-    hidden = optim.hidden_matrix_mask(model, params, splits.vocab_size)
+    model_vocab = getattr(getattr(model, "config", None), "vocab_size", splits.vocab_size)
+    if model_vocab < splits.vocab_size:
+        raise ValueError(f"--data: token ids reach {splits.vocab_size - 1} but the model vocabulary "
+                         f"is {model_vocab}")
+    hidden = optim.hidden_matrix_mask(model, params, model_vocab)
     tx = cfg.optimizer.build(cfg.steps, hidden)
     opt_state = tx.init(params)
     checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), cfg.keep_checkpoints)

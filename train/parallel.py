@@ -68,6 +68,8 @@ def put_batch(batch: dict, mesh: Mesh) -> dict:
 def per_shard_sums(sums_fn: Callable, mesh: Mesh) -> Callable:
     """Wraps `sums_fn(params, batch) -> pytree of sums` so each data shard computes its own
     sums (inside shard_map) and the results are summed over the 'data' axis."""
+    if mesh.size == 1:
+        return sums_fn  # one device: nothing to split or sum
     auto = mesh.shape[MODEL] > 1
 
     def local(params, batch):
