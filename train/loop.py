@@ -190,6 +190,7 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
     hidden = optim.hidden_matrix_mask(model, params, model_vocab)
     tx = cfg.optimizer.build(cfg.steps, hidden)
     opt_state = tx.init(params)
+    cfg.save(cfg.run_dir, getattr(model, "config", None))
     checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), cfg.keep_checkpoints)
 
     step = 0
@@ -203,7 +204,6 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
         trees, meta = ckpt_lib.Checkpointer(directory, read_only=True).restore(templates, init_step)
         params, opt_state = trees["params"], trees.get("opt_state", opt_state)
         console.note(f"initialized from {cfg.init_from} (step {meta['step']})")
-    cfg.save(cfg.run_dir, getattr(model, "config", None))
 
     params, opt_state = parallel.shard_params(params, mesh), parallel.shard_params(opt_state, mesh)
     train_step, eval_step = make_step_fns(graphdef, rest, tx, mesh)
