@@ -69,3 +69,18 @@ def test_presets_and_arms_resolve():
     a, b = tiny, config_lib.parse_args(["--run-dir", "x", "--attention", "reference"])
     diff = {k for k in a.compat_dict() if a.compat_dict()[k] != b.compat_dict()[k]}
     assert diff == {"model"} and a.seed == b.seed
+
+
+def test_cli_resume_is_bit_exact_with_the_hybrid(tmp_path):
+    common = ["--steps", "4", "--batch-size", "2", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
+              "--probe-every", "0", "--ckpt-every", "2"]
+    straight = _run("train", *common, "--run-dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    half = _run("train", *common, "--stop-at", "2", "--run-dir", str(tmp_path / "b"))
+    assert half.returncode == 0, half.stderr[-3000:]
+    refused = _run("train", *common, "--run-dir", str(tmp_path / "b"))  # no --resume: refused
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    resumed = _run("train", *common, "--resume", "--run-dir", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(d / "metrics.jsonl"))]  # noqa: E731
+    assert rows(tmp_path / "a") == rows(tmp_path / "b") and len(rows(tmp_path / "a")) == 4
