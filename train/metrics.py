@@ -48,7 +48,12 @@ class MetricsLog:
             with open(self.path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
         self._file = open(self.path, "a")
-        self._tb = TensorBoardWriter(os.path.join(run_dir, "tensorboard")) if tensorboard else None
+        self._tb = None
+        if tensorboard:
+            try:
+                self._tb = TensorBoardWriter(os.path.join(run_dir, "tensorboard"))
+            except ImportError:  # tensorboard not installed: metrics.jsonl only
+                self._tb = None
         self.last: dict = {}
 
     def write(self, row: dict) -> None:
