@@ -41,6 +41,7 @@ class TrainResult:
     metrics: dict  # last metrics row
     status: str  # "done", "stopped" (--stop-at), "interrupted" (SIGINT/SIGTERM)
     checkpoint_step: Optional[int]
+    tokens_per_s: float = float("nan")  # mean over the run, first (compiling) interval excluded
 
 
 def _masked_ce_sums(graphdef, rest, params, batch):
@@ -211,7 +212,7 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
     log = metrics_lib.MetricsLog(cfg.run_dir, truncate_after=step if cfg.resume else None)
     tokens_per_step = cfg.batch_size * cfg.seq_len
     last_stop = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
-    status, saved_step, pending = "done", None, None
+    status, saved_step, pending, first_step = "done", None, None, step
     console.start(cfg, splits, hooks_model=model, first_step=step, last_step=last_stop)
 
     def save(at_step):
@@ -227,6 +228,7 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
         return loss
 
     t_last, step_last = time.perf_counter(), step
+    timed = [0, 0.0]  # tokens, seconds of logged intervals after the first
     try:
         with _StopSignals() as signals:
             while step < last_stop:
@@ -252,6 +254,9 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
                     if evaluate:
                         row["val_ce"] = _evaluate(eval_step, params, val_batches, cfg, mesh, shard)
                 if row is not None:
+                    if step_last > first_step:
+                        timed[0] += tokens_per_step * (step - step_last)
+                        timed[1] += now - t_last
                     log.write(row)
                     console.update(step, row)
                     t_last, step_last = time.perf_counter(), step
@@ -271,7 +276,8 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
         checkpointer.close()
         log.close()
         console.stop()
-    result = TrainResult(cfg.run_dir, step, log.last, status, saved_step)
+    mean_tps = timed[0] / timed[1] if timed[1] else log.last.get("tokens_per_s", float("nan"))
+    result = TrainResult(cfg.run_dir, step, log.last, status, saved_step, mean_tps)
     console.summary(result, cfg)
     return result
 

@@ -71,9 +71,10 @@ class Console:
         table = Table(title=f"run {result.status} at step {result.step}/{cfg.steps}", show_header=False)
         m = result.metrics
         for key, label, fmt in (("loss", "train loss", "{:.4f}"), ("val_ce", "validation CE", "{:.4f}"),
-                                ("tokens_per_s", "tokens/s", "{:,.0f}"), ("grad_norm", "grad norm", "{:.3f}")):
+                                ("grad_norm", "grad norm", "{:.3f}")):
             if isinstance(m.get(key), (int, float)):
                 table.add_row(label, fmt.format(m[key]))
+        table.add_row("tokens/s", f"{result.tokens_per_s:,.0f} (mean, after compilation)")
         gains = [v for k, v in m.items() if k.endswith("/max_gain")]
         if gains:
             table.add_row("max QK gain", f"{max(gains):.3f}")
