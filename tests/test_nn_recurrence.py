@@ -90,3 +90,14 @@ def test_mixer_layer_chunked_equals_naive(make):
   y1, y2 = fwd(naive, x), fwd(chunked, x)
   np.testing.assert_allclose(y1, y2, atol=1e-5, rtol=1e-5)
   assert float(jnp.abs(y1).max()) > 1e-3
+
+
+@pytest.mark.parametrize("C", [1, 5, 16, 64])
+def test_unit_lower_inverse_matches_triangular_solve(C):
+  from jax.scipy.linalg import solve_triangular
+
+  from dm_jax.nn.recurrence import unit_lower_inverse
+
+  L = jnp.tril(jax.random.normal(jax.random.PRNGKey(C), (2, C, C)) * 0.3, -1) + jnp.eye(C)
+  want = solve_triangular(L, jnp.broadcast_to(jnp.eye(C), L.shape), lower=True, unit_diagonal=True)
+  np.testing.assert_allclose(unit_lower_inverse(L), want, atol=1e-5)

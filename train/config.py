@@ -269,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rope", default=None, choices=("on", "off"), help="override the preset's RoPE (off = NoPE)")
     a("--head-dim", type=int, default=None)
     a("--mixer-impl", default=None, choices=("chunked", "naive"),
-      help="linear-mixer form; default: chunked on GPU, naive on CPU (XLA's CPU triangular solve "
-           "can deadlock on few cores)")
+      help="linear-mixer form; default: chunked (parallel within chunks); naive is the "
+           "step-by-step recurrence")
     a("--steps", type=int, default=None, help="total optimizer steps (sets the LR schedule)")
     a("--batch-size", type=int, default=None, help="global batch size in sequences")
     a("--seq-len", type=int, default=None)
@@ -355,9 +355,7 @@ def _from_args(args) -> RunConfig:
 
 
 def default_mixer_impl() -> str:
-    import jax
-
-    return "naive" if jax.default_backend() == "cpu" else "chunked"
+    return "chunked"
 
 
 def default_run_dir(preset: str, attention: str) -> str:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from dm_jax.nn.sequence import document_starts
 
@@ -89,6 +88,29 @@ def recurrent_naive(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, *, delta_r
   return jnp.moveaxis(o, 0, 1), S
 
 
+def unit_lower_inverse(L_CC):
+  """Inverse of unit lower-triangular matrices [..., C, C] by recursive 2 x 2 blocking.
+
+  [[L11, 0], [L21, L22]]^-1 = [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]]; both diagonal
+  blocks are inverted in one batched call, so the trace has log2(C) levels of matmuls.
+  (Matmuls only: XLA's CPU triangular solve can deadlock its thread pool on few cores.)
+  """
+  C = L_CC.shape[-1]
+  if C == 1:
+    return jnp.ones_like(L_CC)
+  Cp = 1 << (C - 1).bit_length()
+  if Cp != C:  # pad with an identity block: blockdiag(L, I)^-1 = blockdiag(L^-1, I)
+    eye = jnp.eye(Cp, dtype=L_CC.dtype)
+    padded = eye.at[:C, :C].set(0.0) + jnp.pad(L_CC, [(0, 0)] * (L_CC.ndim - 2) + [(0, Cp - C)] * 2)
+    return unit_lower_inverse(padded)[..., :C, :C]
+  h = C // 2
+  inv = unit_lower_inverse(jnp.stack([L_CC[..., :h, :h], L_CC[..., h:, h:]]))
+  top_inv, bottom_inv = inv[0], inv[1]
+  lower = -(bottom_inv @ L_CC[..., h:, :h]) @ top_inv
+  top = jnp.concatenate([top_inv, jnp.zeros_like(top_inv)], axis=-1)
+  return jnp.concatenate([top, jnp.concatenate([lower, bottom_inv], axis=-1)], axis=-2)
+
+
 def _pair(a_rK, b_jK, dec_rjG):
   """sum_c a_rc b_jc Dec_rjc; for a per-head decay (G = 1) a plain matmul times Dec."""
   if dec_rjG.shape[-1] == 1:
@@ -135,8 +157,9 @@ def recurrent_chunked(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, *, delta
     strict = (idx[:, None] > idx[None, :])
     A = b * _pair(k, k, dec) * strict  # A_rj = b_r <k_r, Dec_rj k_j>, j < r
     L = A + jnp.eye(C, dtype=A.dtype)
-    u_part = solve_triangular(L, b * v, lower=True, unit_diagonal=True)
-    w_part = solve_triangular(L, b * gam * k, lower=True, unit_diagonal=True)
+    L_inv = unit_lower_inverse(L)
+    u_part = L_inv @ (b * v)
+    w_part = L_inv @ (b * gam * k)
   else:
     u_part, w_part = b * v, jnp.zeros_like(k)
   P = _pair(q, k, dec)  # <q_r, Dec_rj k_j>, j <= r
