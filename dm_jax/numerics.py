@@ -75,9 +75,20 @@ def quantize(x, scale):
     return y.astype(FP8_DTYPE)
 
 
+def upcast(x8):
+    """f32 view of an FP8/bf16 operand that keeps its rounding under XLA's optimizer.
+
+    XLA on the GPU treats a round trip f32 -> narrow -> f32 as excess precision it may
+    remove (``xla_allow_excess_precision``), which silently turns an emulated FP8 operand
+    back into the unquantized value. The optimization barrier keeps the narrow cast.
+    (Inside Pallas kernels casts are kept as written; this is for XLA-side code.)
+    """
+    return lax.optimization_barrier(x8).astype(jnp.float32)
+
+
 def dequantize(x8, scale):
     """Decode: ``x8 / scale`` as f32 (exact, the scale is a power of two)."""
-    return x8.astype(jnp.float32) * (1.0 / scale)
+    return upcast(x8) * (1.0 / scale)
 
 
 def cast_operand(x, scale, precision):

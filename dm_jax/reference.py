@@ -31,8 +31,8 @@ _HIGHEST = lax.Precision.HIGHEST
 
 
 def _dot(a, b, contract):
-    """f32 dot of (decoded) operands: exact products, f32 accumulation (no TF32)."""
-    return jnp.einsum(contract, a.astype(jnp.float32), b.astype(jnp.float32), precision=_HIGHEST)
+    """f32 dot of cast operands: exact products, f32 accumulation (no TF32)."""
+    return jnp.einsum(contract, numerics.upcast(a), numerics.upcast(b), precision=_HIGHEST)
 
 
 # --------------------------------------------------------------------------------------
@@ -199,7 +199,7 @@ def _rowsum_delta(do8_tiles, do, o, delta, hkv, block_q):
     if delta == "stale":
         do_f = _to_bhtd(do).astype(jnp.float32)
     else:
-        vals = do8_tiles.values.astype(jnp.float32) * do8_tiles.inv_scale[..., None, None]
+        vals = numerics.upcast(do8_tiles.values) * do8_tiles.inv_scale[..., None, None]
         b, _, g, nq, bq, d = vals.shape
         do_f = vals.reshape(b, hkv * g, nq * bq, d)[:, :, : o_f.shape[2]]
     rows = jnp.sum(do_f * o_f, axis=-1)  # [B, Hq, T]
@@ -273,7 +273,7 @@ def flash_backward(
             numerics.tile_scale(ds, precision, axis=(-2, -1), keepdims=True), ds.shape[:-2] + (1, 1)
         )
         ds8 = numerics.cast_operand(ds, ds_scale, precision)
-        ds_post = ds8.astype(jnp.float32) / ds_scale
+        ds_post = numerics.upcast(ds8) / ds_scale
         stats = (
             stats[0] + jnp.sum(ds, -1),
             stats[1] + jnp.sum(jnp.abs(ds), -1),

@@ -83,3 +83,14 @@ def test_cast_operand_dtypes(precision):
 def test_cast_operand_rejects_unknown_precision():
     with pytest.raises(ValueError, match="precision"):
         numerics.cast_operand(jnp.ones((4,)), 1.0, "fp4")
+
+
+def test_dequantize_keeps_the_fp8_round_trip_behind_a_barrier():
+    """XLA on the GPU may drop f32 -> e4m3 -> f32 as excess precision; the barrier stops it."""
+    import jax
+
+    x = jnp.linspace(-3.0, 3.0, 64)
+    fn = jax.jit(lambda x: numerics.dequantize(numerics.quantize(x, 16.0), 16.0))
+    hlo = fn.lower(x).as_text()
+    assert "optimization_barrier" in hlo and "f8E4M3FN" in hlo
+    assert float(jnp.max(jnp.abs(fn(x) - x))) > 0  # really rounded

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dm_jax import numerics
 from pallas_kernels.fp8_attention import common
 from pallas_kernels.fp8_attention.common import F32, MaskSpec
 
@@ -32,7 +33,8 @@ def row_dot_delta(mode: str, do_BTHD, o_BTHD, do8, tp: int):
     if mode == "stale":
         do = jnp.swapaxes(do_BTHD, 1, 2).astype(F32)
     elif mode == "do_matched":
-        do = (do8.values[:, :, :t, :dv].astype(F32) * do8.inv_scale[:, :, :t, None])
+        # upcast, not astype: XLA on the GPU would drop the f32 -> e4m3 -> f32 round trip
+        do = numerics.upcast(do8.values[:, :, :t, :dv]) * do8.inv_scale[:, :, :t, None]
     else:
         raise ValueError(f"row_dot_delta: mode must be 'stale' or 'do_matched', got {mode!r}")
     rows = jnp.sum(do * o, axis=-1)
