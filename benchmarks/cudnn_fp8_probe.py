@@ -39,7 +39,7 @@ def main():
         ref = ref_vjp(do)
         rec = {}
         try:
-            out, vjp = jax.vjp(lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=causal), q, k, v)
+            out, vjp = jax.vjp(lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=causal, unverified_gradients=True), q, k, v)
             got = vjp(do)
             rec["adapter"] = {"out": rel(out, ref_out), **{n: rel(g, r) for n, g, r in zip("qkv", got, ref)}}
         except Exception as e:  # noqa: BLE001 - report and continue

@@ -179,10 +179,21 @@ def test_cudnn_fp8_scaling_bookkeeping(monkeypatch):
   k, v = k[:, :, :1], v[:, :, :1]  # GQA: 2 query heads share one kv head
   do = 0.01 * jax.random.normal(ks[3], (1, 128, 2, 128))
   ref = lambda q, k, v: dm_jax.reference.mha_reference(q, k, v, causal=True)
-  fp8 = lambda q, k, v: baselines.cudnn_fp8_attention(q, k, v, causal=True)
+  fp8 = lambda q, k, v: baselines.cudnn_fp8_attention(q, k, v, causal=True, unverified_gradients=True)
   o_ref, vjp_ref = jax.vjp(ref, q, k, v)
   o, vjp = jax.vjp(fp8, q, k, v)
   rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
   assert rel(o, o_ref) < 0.1
   for g, g_ref in zip(vjp(do), vjp_ref(do)):
     assert g.shape == g_ref.shape and rel(g, g_ref) < 0.1
+
+
+def test_cudnn_fp8_gradients_refuse_unless_asked(monkeypatch):
+  """Its backward gave wrong gradients on the H200: differentiating must fail loudly."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  monkeypatch.setattr(fa, "dot_product_attention", _fake_cudnn_fp8)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  q = jax.random.normal(jax.random.key(1), (1, 128, 2, 128))
+  loss = lambda q: jnp.sum(baselines.cudnn_fp8_attention(q, q, q, causal=True))
+  with pytest.raises(NotImplementedError, match="unverified_gradients=True"):
+    jax.grad(loss)(q)
