@@ -29,8 +29,6 @@ PRECISIONS = ("fp8", "bf16")
 _MANTISSA_BITS = 23
 _EXPONENT_BIAS = 127
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
-# 448 = 1.75 * 2^8: mantissa field of 1.75.
-_MANTISSA_OF_1_75 = 0x600000
 _MAX_SCALE_EXPONENT = 126  # keep both scale and 1/scale normal f32 numbers
 
 
@@ -41,20 +39,30 @@ def finite_amax(x, axis=None, keepdims=False):
     return jnp.max(jnp.where(ax < jnp.inf, ax, 0.0), axis=axis, keepdims=keepdims)
 
 
-def pow2_scale(amax):
-    """Power-of-two scale ``2^floor(log2(448 / amax))``; ``amax == 0 -> 1``.
+def _split_pow2(value):
+    """value = m * 2^e with m in [1, 2): (mantissa field of m as f32 bits, e). Static."""
+    import struct
 
-    Computed from the bits of ``amax`` so the floor is exact: for amax = m * 2^e with
-    m in [1, 2), 448 / amax = (1.75 / m) * 2^(8 - e), whose floor(log2) is 8 - e when
-    m <= 1.75 and 7 - e otherwise. Exponents are clamped to +-126 so that the scale and
-    its inverse stay normal numbers (tiny or denormal amax get the largest scale).
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return bits & _MANTISSA_MASK, (bits >> _MANTISSA_BITS) - _EXPONENT_BIAS
+
+
+def pow2_scale(amax, fmt_max=FP8_MAX):
+    """Power-of-two scale ``2^floor(log2(fmt_max / amax))``; ``amax == 0 -> 1``.
+
+    Computed from the bits of ``amax`` so the floor is exact: for amax = m * 2^e and
+    fmt_max = m_f * 2^e_f (m, m_f in [1, 2)), floor(log2(fmt_max / amax)) is e_f - e when
+    m <= m_f and e_f - e - 1 otherwise (E4M3: 448 = 1.75 * 2^8; E5M2: 57344 = 1.75 * 2^15).
+    Exponents are clamped to +-126 so that the scale and its inverse stay normal numbers
+    (tiny or denormal amax get the largest scale).
     """
+    fmt_mantissa, fmt_exponent = _split_pow2(float(fmt_max))
     amax = jnp.asarray(amax, jnp.float32)
     safe = jnp.maximum(amax, jnp.float32(2.0 ** -_MAX_SCALE_EXPONENT))  # smallest normal
     bits = lax.bitcast_convert_type(safe, jnp.int32)
     exponent = jnp.right_shift(bits, _MANTISSA_BITS) - _EXPONENT_BIAS
     mantissa = jnp.bitwise_and(bits, _MANTISSA_MASK)
-    scale_exp = jnp.where(mantissa <= _MANTISSA_OF_1_75, 8 - exponent, 7 - exponent)
+    scale_exp = jnp.where(mantissa <= fmt_mantissa, fmt_exponent - exponent, fmt_exponent - 1 - exponent)
     scale_exp = jnp.clip(scale_exp, -_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
     scale = lax.bitcast_convert_type(
         jnp.left_shift(scale_exp + _EXPONENT_BIAS, _MANTISSA_BITS).astype(jnp.int32), jnp.float32
@@ -62,17 +70,19 @@ def pow2_scale(amax):
     return jnp.where(amax > 0, scale, jnp.float32(1.0))
 
 
-def quantize(x, scale):
-    """``x * scale`` clipped to +-448 and cast to E4M3. Non-finite ``x`` encodes as NaN.
+def quantize(x, scale, dtype=FP8_DTYPE):
+    """``x * scale`` clipped to the format's max (448 for E4M3) and cast to ``dtype``.
 
-    ``scale`` broadcasts against ``x``. The clip happens before the cast because the GPU
-    saturates while interpret mode and XLA produce NaN for out-of-range finite values.
+    Non-finite ``x`` encodes as NaN. ``scale`` broadcasts against ``x``. The clip happens
+    before the cast because the GPU saturates while interpret mode and XLA produce NaN
+    for out-of-range finite values.
     """
+    fmt_max = FP8_MAX if dtype == FP8_DTYPE else float(jnp.finfo(dtype).max)
     y = x.astype(jnp.float32) * scale
-    clipped = jnp.clip(y, -FP8_MAX, FP8_MAX)
-    # Inf would be clipped to 448 (silently hiding it); E4M3FN has no Inf, so use NaN.
+    clipped = jnp.clip(y, -fmt_max, fmt_max)
+    # Inf would be clipped to the max (silently hiding it): encode it as NaN.
     y = jnp.where(jnp.abs(y) == jnp.inf, jnp.nan, clipped)
-    return y.astype(FP8_DTYPE)
+    return y.astype(dtype)
 
 
 def upcast(x8):

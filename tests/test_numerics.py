@@ -94,3 +94,12 @@ def test_dequantize_keeps_the_fp8_round_trip_behind_a_barrier():
     hlo = fn.lower(x).as_text()
     assert "optimization_barrier" in hlo and "f8E4M3FN" in hlo
     assert float(jnp.max(jnp.abs(fn(x) - x))) > 0  # really rounded
+
+
+def test_pow2_scale_for_e5m2_uses_its_own_max():
+    # E5M2's max is 57344 = 1.75 * 2^15: the same exact-floor rule with another exponent
+    for amax in (1.0, 1.75, 1.76, 57344.0, 3e-3):
+        want = 2.0 ** math.floor(math.log2(57344.0 / amax))
+        assert float(numerics.pow2_scale(amax, 57344.0)) == want
+    x8 = numerics.quantize(jnp.float32([1e9]), 1.0, jnp.float8_e5m2)
+    assert float(x8.astype(jnp.float32)[0]) == 57344.0

@@ -25,25 +25,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
+from dm_jax import numerics
+
+FP8 = numerics.FP8_DTYPE
+FP8_MAX = numerics.FP8_MAX
 GRAD_FP8 = jnp.float8_e5m2  # output gradients of the linear layers (wider range)
 GRAD_FP8_MAX = 57344.0
 
 
 def current_scale(x: jax.Array, fmt_max: float = FP8_MAX) -> jax.Array:
-  """Power-of-two scale s with |x * s| <= fmt_max: s = 2^floor(log2(fmt_max / amax(x)))."""
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-  safe = jnp.where(amax > 0, amax, 1.0)
-  scale = jnp.exp2(jnp.floor(jnp.log2(fmt_max / safe)))
-  # amax == 0 -> scale 1; a NaN/Inf amax propagates (never hidden, DESIGN section 3).
-  return jnp.where(amax > 0, scale, jnp.where(jnp.isfinite(amax), 1.0, amax))
+  """Power-of-two scale s with |x * s| <= fmt_max: s = 2^floor(log2(fmt_max / amax(x))).
+
+  The rules are dm_jax.numerics' (amax over finite values, exact floor, amax == 0 -> 1);
+  NaN and Inf propagate through the cast of the offending elements.
+  """
+  return numerics.pow2_scale(numerics.finite_amax(x), fmt_max)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype=FP8) -> jax.Array:
-  """Saturating cast of x * scale to an FP8 dtype (clip first: plain casts give NaN/Inf)."""
-  fmt_max = float(jnp.finfo(dtype).max)
-  return jnp.clip(x.astype(jnp.float32) * scale, -fmt_max, fmt_max).astype(dtype)
+  """Saturating cast of x * scale to an FP8 dtype (numerics.quantize)."""
+  return numerics.quantize(x, scale, dtype)
 
 
 def _dot(a, b, contract):
