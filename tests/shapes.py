@@ -75,6 +75,15 @@ KERNEL_CASES = (
 )
 
 
+# Reference (pure-JAX emulation) cases: every feature against f32 attention, seconds each.
+REFERENCE_CASES = (
+    Case("gqa_d64", 1, 256, 256, 4, 2, 64, 64),
+    Case("mqa_ragged_t_ne_s_mla", 1, 200, 136, 2, 1, 192, 128),
+    Case("mha_d256", 1, 128, 128, 2, 2, 256, 256),
+    Case("batch2_d128_odd_t", 2, 130, 130, 2, 2, 128, 128),
+)
+
+
 def gpu_cases(t: int, causal: bool, delta: str, head_dims=HEAD_DIMS, precision="fp8"):
     """Realistic GPU shapes: about 32 (batch x head) rows of 4096 tokens per head dim."""
     b = max(1, 8192 // t)

@@ -1,7 +1,7 @@
 """The blockwise FP8/bf16 reference against high-precision attention, every feature.
 
 Tolerances (relative Frobenius error vs f32 attention, unit-normal inputs, random dO),
-measured worst over 3 seeds x the problems of shapes_reference.py x causal/non-causal x
+measured worst over 3 seeds x the REFERENCE_CASES of shapes.py x causal/non-causal x
 delta modes: fp8 forward 0.056, gradients 0.069; bf16 forward 0.0034, gradients 0.0043.
 The bounds below leave ~40% head-room over those measurements.
 """
@@ -15,7 +15,8 @@ from jax.test_util import check_grads
 import dm_jax
 from dm_jax import reference
 from dm_jax.diagnostics import row_sum_residuals
-from shapes_reference import PROBLEMS, Problem
+from shapes import REFERENCE_CASES as PROBLEMS
+from shapes import Case as Problem
 
 TOL = {"fp8": (0.08, 0.10), "bf16": (0.006, 0.007)}  # (forward, gradients)
 
