@@ -66,6 +66,19 @@ def attention(
     Returns:
       [B, T, Hq, Dv] in q's dtype.
     """
+    config, q_ids, kv_ids = prepare_call(
+        q, k, v, causal=causal, delta=delta, precision=precision, scale=scale,
+        segment_ids=segment_ids, implementation=implementation, block_sizes=block_sizes,
+    )
+    return _attention(config, q, k, v, q_ids, kv_ids)
+
+
+def prepare_call(q, k, v, *, causal, delta, precision, scale, segment_ids, implementation, block_sizes):
+    """Check the arguments of :func:`attention` and resolve its defaults.
+
+    Returns ``(config, q_segment_ids, kv_segment_ids)``; raises ValueError for bad input and
+    the backend's NotImplementedError for what it cannot run.
+    """
     q_ids, kv_ids = _check_inputs(q, k, v, delta, precision, scale, segment_ids, implementation)
     config = AttentionConfig(
         causal=bool(causal),
@@ -76,7 +89,7 @@ def attention(
         block_sizes=block_sizes or default_block_sizes(q.shape[-1], v.shape[-1]),
     )
     get_backend(config.implementation).check_supported(q, k, v, config)
-    return _attention(config, q, k, v, q_ids, kv_ids)
+    return config, q_ids, kv_ids
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

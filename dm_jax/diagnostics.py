@@ -5,9 +5,8 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from dm_jax.attention import AttentionConfig, _check_inputs, default_implementation
+from dm_jax.attention import prepare_call
 from dm_jax.backends import get_backend
-from pallas_kernels.fp8_attention.config import default_block_sizes
 
 
 def row_sum_residuals(
@@ -34,19 +33,13 @@ def row_sum_residuals(
       (the decoded FP8 dS the dQ/dK matmuls use), each [B, Hq, T] float32. Rows whose dS
       is all zero (fully masked) report 0.
     """
-    q_ids, kv_ids = _check_inputs(q, k, v, delta, precision, scale, segment_ids, implementation)
+    config, q_ids, kv_ids = prepare_call(
+        q, k, v, causal=causal, delta=delta, precision=precision, scale=scale,
+        segment_ids=segment_ids, implementation=implementation, block_sizes=block_sizes,
+    )
     if do.shape != q.shape[:3] + v.shape[3:]:
         raise ValueError(f"do: expected shape {q.shape[:3] + v.shape[3:]}, got {do.shape}")
-    config = AttentionConfig(
-        causal=bool(causal),
-        delta=delta,
-        precision=precision,
-        sm_scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
-        implementation=implementation or default_implementation(),
-        block_sizes=block_sizes or default_block_sizes(q.shape[-1], v.shape[-1]),
-    )
     backend = get_backend(config.implementation)
-    backend.check_supported(q, k, v, config)
     out, lse = backend.forward(q, k, v, q_ids, kv_ids, config=config)
     res = backend.backward(q, k, v, out, lse, do.astype(out.dtype), q_ids, kv_ids, config=config)
 
