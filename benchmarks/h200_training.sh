@@ -3,7 +3,7 @@
 #   bash benchmarks/h200_training.sh all   # arm comparison split over both GPUs, cuDNN FP8 probe,
 #                                          # then a 2-GPU data-parallel run
 #   (the 1-GPU baseline: CUDA_VISIBLE_DEVICES=1 python3 -m train $SCALE_FLAGS)
-# Results go under $OUT (tarred, since the device tool returns at most 8 files).
+# Results go under $OUT (the run directories tarred into one file).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
