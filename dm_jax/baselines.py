@@ -46,6 +46,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dm_jax.masking import split_segment_ids
 from dm_jax.nn.fp8 import FP8_MAX, current_scale, quantize
 
 
@@ -64,7 +65,7 @@ def _repeat_kv(q, k, v):
 
 def _segment_mask(segment_ids, T, S):
   """[B, 1, T, S] bool mask from int segment ids [B, T] or (q_ids [B, T], kv_ids [B, S])."""
-  q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids,) * 2
+  q_ids, kv_ids = split_segment_ids(segment_ids)
   if q_ids.shape[1] != T or kv_ids.shape[1] != S:
     raise ValueError(f"segment_ids: expected [B, {T}] and [B, {S}], got {q_ids.shape}, "
                      f"{kv_ids.shape}")
