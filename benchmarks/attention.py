@@ -58,7 +58,7 @@ def arms(case: Case):
         from dm_jax.baselines import cudnn_fp8_attention
 
         if case.dqk == case.dv == 128:
-            out["cudnn_fp8"] = (lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=case.causal, unverified_gradients=True), False)
+            out["cudnn_fp8"] = (lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=case.causal), False)
     except Exception as e:  # baseline module missing: record, keep going
         print("cudnn_fp8 arm unavailable:", e)
     out["cudnn_bf16"] = (lambda q, k, v: jax.nn.dot_product_attention(

@@ -129,7 +129,7 @@ def table(records):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--budget", type=float, default=330.0, help="seconds; later cases skipped")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds; later cases skipped")
     parser.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
     parser.add_argument("--implementation", default="pallas", help="pallas_interpret on a CPU")
     parser.add_argument("--only", default="", help="comma-separated case names")
@@ -151,7 +151,7 @@ def main(argv=None):
         plan.append((dataclasses.replace(bf16, name=bf16.name + "_bf16"), ("matched", "stale"), False))
         for causal in (False, True):
             plan.append((gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0],
-                         ("matched", "stale"), False))
+                         DELTA_MODES, False))
         fast = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
         plan.append((dataclasses.replace(fast, name=fast.name + "_fastacc"), ("matched", "stale"), True))
     only = [n for n in args.only.split(",") if n]

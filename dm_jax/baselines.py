@@ -16,16 +16,20 @@ is linear in dO, so the gradients are divided by that scale afterwards. Of the t
 cuDNN *writes* in FP8, P and O have exact bounds:
   P <= 1                  -> scale_s = 256
   |O| <= amax(v)          -> scale_o = s_v
-dS, dQ, dK and dV have none that is useful (worst cases grow with the sequence length and
-leave most of the gradient below the FP8 range), so the backward runs twice. The first
-pass writes dS with a Cauchy-Schwarz bound (|dP_ij| <= ||dO_i|| ||v_j||, |dS| <= 2 max|dP|)
-and dQ, dK, dV with scale 1, and only its amax reports are kept: with scale 1 they are
-amax values of the real gradients whichever side of the scaling cuDNN measures them on.
-The second pass reruns forward and backward with every scale from those *current* amax
-values (2 x amax for dS, which also holds delta, and for dQ, dK, whose first-pass amax
-comes from the bound-scaled dS and may read low). Every FP8 tensor is thus scaled from its own current amax,
-at the price of one extra forward and backward of the attention core per training step;
-time the forward, or read this arm's backward timings as an upper bound.
+dS, dQ, dK and dV have no useful bound (worst cases grow with the sequence length and
+would leave most of the gradient below E4M3's smallest subnormal, 2^-9, where cuDNN
+flushes it to zero). cuDNN reports each amax *before* its FP8 cast, so the backward runs
+three times, each pass fixing the scales the next one needs (measured on the H200:
+docs/benchmarks.md, "cuDNN FP8 backward"):
+  1. all output scales 1: the amax of dS and of dV (dV does not depend on dS).
+     cuDNN writes dV without applying scale_dV, so dO's scale is lowered by a power of
+     two until dV fits E4M3.
+  2. scale_dP from pass 1: dS is now in range, so the amax of dQ and dK are true.
+  3. scale_dQ, scale_dK from pass 2: the gradients.
+The JAX binding takes the backward's scales when the forward runs, so each pass reruns
+the forward on the same FP8 inputs (XLA merges identical calls in one jit). Every FP8
+tensor is scaled from its own current amax, at the price of three cuDNN backward passes
+per step: time the forward, or read this arm's backward timings as an upper bound.
 
 How this differs from Transformer Engine: TE uses *delayed* scaling. Each FP8 tensor's
 scale comes from a rolling history of amax values from previous steps (default: the max
@@ -33,7 +37,7 @@ over a window of 1024 steps), including the amax values cuDNN returns for S, O, 
 dK, dV. Scales therefore lag the data: a tensor whose range grows between steps saturates
 at +-448 until the history catches up, and history resets (new data, restarts) shift every
 scale at once. Current scaling has no state and never saturates its inputs; its cost is an
-extra amax reduction per input tensor and, here, the second backward pass.
+extra amax reduction per input tensor and, here, the extra backward passes.
 
 Constraints (cuDNN FP8 training kernels): head dim 128 for q, k and v, T and S multiples
 of 128, no segment ids; a GPU with cuDNN. Anything else raises before reaching cuDNN.
@@ -95,37 +99,33 @@ def check_cudnn_fp8_shapes(q, k, v, segment_ids=None):
         f"dims (q, k, v) = {dims}, T = {T}, S = {S}")
 
 
-def cudnn_fp8_attention(q, k, v, *, causal=False, scale=None, segment_ids=None,
-                        unverified_gradients=False):
+def cudnn_fp8_attention(q, k, v, *, causal=False, scale=None, segment_ids=None):
   """cuDNN FP8 flash attention with current per-tensor scaling (module docstring).
 
   q [B, T, Hq, 128], k/v [B, S, Hkv, 128] -> [B, T, Hq, 128] in q's dtype.
-
-  Gradients: on the H200 (jax 0.11.2, cuDNN 9.19) the backward recipe below returned
-  wrong dQ/dK/dV (relative error ~1.0; docs/benchmarks.md, "cuDNN FP8 backward"), so
-  differentiating raises unless ``unverified_gradients=True`` (for timing and probing).
   """
   check_cudnn_fp8_shapes(q, k, v, segment_ids)
   _require_gpu("cudnn_fp8_attention")
   k, v = _repeat_kv(q, k, v)
   scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  return _cudnn_fp8(q, k, v, scale, bool(causal), bool(unverified_gradients))
+  return _cudnn_fp8(q, k, v, scale, bool(causal))
 
 
-def _fp8_params(sq, sk, sv, v):
-  """Scale/descale factors ((1,1,1,1) float32 each) for the cuDNN FP8 kernels; the
-  backward's output scales are the first-pass values (see the module docstring)."""
-  vnorm = jnp.max(jnp.linalg.norm(v.astype(jnp.float32), axis=-1))
-  bound_dp = FP8_MAX * v.shape[-1] ** 0.5 * vnorm  # max ||dO^_i|| max ||v_j||
-  s_dp = current_scale(2 * bound_dp)
+def _fp8_params(sq, sk, sv):
+  """Scale/descale factors ((1,1,1,1) float32 each) for the cuDNN FP8 kernels. The
+  backward's dS and gradient scales start at 1; `_cudnn_fp8_bwd` sets them."""
   one = jnp.float32(1.0)
   vals = {"descale_q": 1 / sq, "descale_k": 1 / sk, "descale_v": 1 / sv,
           "scale_s": jnp.float32(256.0), "descale_s": jnp.float32(1 / 256.0),
           "scale_o": sv, "descale_o": 1 / sv, "descale_dO": one,
-          "scale_dP": s_dp, "descale_dP": 1 / s_dp,
+          "scale_dP": one, "descale_dP": one,
           "scale_dQ": one, "scale_dK": one, "scale_dV": one,
           "amax_dQ": one, "amax_dK": one, "amax_dV": one, "amax_dP": one}
-  return {name: jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32) for name, x in vals.items()}
+  return {name: _param(x) for name, x in vals.items()}
+
+
+def _param(x):
+  return jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32)
 
 
 def _run_fp8(q8, k8, v8, params, scale, causal):
@@ -138,52 +138,55 @@ def _run_fp8(q8, k8, v8, params, scale, causal):
   return jax.vjp(run, q8, k8, v8, params)
 
 
-def _fp8_grads(vjp, out, do8):
-  """(dq8, dk8, dv8, amax per gradient name) from a cuDNN FP8 backward."""
+def fp8_backward(qkv8, params, do8, scale, causal):
+  """(dq8, dk8, dv8, amax per gradient name) of one cuDNN FP8 backward with ``params``.
+
+  The forward is rerun with the same inputs and forward scales (XLA merges the identical
+  forward calls within one jit)."""
+  out, vjp = _run_fp8(*qkv8, params, scale, causal)
   _, amax_s, amax_o = out
   dq8, dk8, dv8, dparams = vjp((do8, jnp.zeros_like(amax_s), jnp.zeros_like(amax_o)))
-  return dq8, dk8, dv8, {k: dparams[k] for k in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+  amax = {k: dparams[k].reshape(()) for k in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+  return dq8, dk8, dv8, amax
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _cudnn_fp8(q, k, v, scale, causal, unverified_gradients):
-  return _cudnn_fp8_fwd(q, k, v, scale, causal, unverified_gradients)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _cudnn_fp8(q, k, v, scale, causal):
+  return _cudnn_fp8_fwd(q, k, v, scale, causal)[0]
 
 
-def _cudnn_fp8_fwd(q, k, v, scale, causal, unverified_gradients):
-  del unverified_gradients
+def _cudnn_fp8_fwd(q, k, v, scale, causal):
   sq, sk, sv = current_scale(q), current_scale(k), current_scale(v)
-  params = _fp8_params(sq, sk, sv, v)
+  params = _fp8_params(sq, sk, sv)
   q8, k8, v8 = quantize(q, sq), quantize(k, sk), quantize(v, sv)
-  out, vjp = _run_fp8(q8, k8, v8, params, scale, causal)
-  o = (out[0].astype(jnp.float32) / params["scale_o"].reshape(())).astype(q.dtype)
+  out, _ = _run_fp8(q8, k8, v8, params, scale, causal)
+  o = (out[0].astype(jnp.float32) / sv).astype(q.dtype)
   like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))  # dtypes, as arrays
-  return o, (vjp, out, (q8, k8, v8), params, like)
+  return o, ((q8, k8, v8), params, like)
 
 
-def _cudnn_fp8_bwd(scale, causal, unverified_gradients, res, do):
-  """Two passes: the first (dS scale from a bound, dQ/dK/dV at scale 1) measures the amax of
-  dP, dQ, dK, dV; the second reruns forward and backward with scales from those amax."""
-  if not unverified_gradients:
-    raise NotImplementedError(
-        "cudnn_fp8_attention: its gradients were wrong on the H200 (relative error ~1.0, "
-        "docs/benchmarks.md 'cuDNN FP8 backward'); training with this arm is disabled. "
-        "Pass unverified_gradients=True to time or probe the backward anyway.")
-  vjp, out, qkv8, params, like = res
-  s_do = current_scale(do)
+def _cudnn_fp8_bwd(scale, causal, res, do):
+  """Three cuDNN backward passes, each scale from the current amax (module docstring)."""
+  qkv8, params, like = res
+  s_do0 = current_scale(do)
+  unit = {n: _param(1.0) for n in ("scale_dP", "descale_dP", "scale_dQ", "scale_dK", "scale_dV")}
+  # 1. dS and dV amax (reported before their FP8 casts; dV does not depend on dS)
+  *_, amax1 = fp8_backward(qkv8, {**params, **unit}, quantize(do, s_do0), scale, causal)
+  # dV is written without a scale: shift dO down by a power of two until dV fits E4M3
+  shift = jnp.minimum(1.0, current_scale(amax1["amax_dV"]))
+  s_do = s_do0 * shift
   do8 = quantize(do, s_do)
-  *_, amax = _fp8_grads(vjp, out, do8)
-  exact = {"scale_dP": current_scale(2 * amax["amax_dP"]),
-           "scale_dQ": current_scale(2 * amax["amax_dQ"]),
-           "scale_dK": current_scale(2 * amax["amax_dK"]),
-           "scale_dV": current_scale(amax["amax_dV"])}
-  exact["descale_dP"] = 1 / exact["scale_dP"]
-  params = {**params, **{k: v.reshape(1, 1, 1, 1) for k, v in exact.items()}}
-  out, vjp = _run_fp8(*qkv8, params, scale, causal)
-  grads8 = _fp8_grads(vjp, out, do8)[:3]
-  names = ("scale_dQ", "scale_dK", "scale_dV")
-  return tuple((g8.astype(jnp.float32) / (params[n].reshape(()) * s_do)).astype(x.dtype)
-               for g8, n, x in zip(grads8, names, like))
+  s_dp = current_scale(amax1["amax_dP"] * shift)
+  ds = {"scale_dP": _param(s_dp), "descale_dP": _param(1 / s_dp)}
+  # 2. with dS in range, the amax of dQ and dK
+  *_, amax2 = fp8_backward(qkv8, {**params, **unit, **ds}, do8, scale, causal)
+  s_dq, s_dk = current_scale(amax2["amax_dQ"]), current_scale(amax2["amax_dK"])
+  # 3. the gradients
+  out_scales = {"scale_dQ": _param(s_dq), "scale_dK": _param(s_dk)}
+  dq8, dk8, dv8, _ = fp8_backward(qkv8, {**params, **unit, **ds, **out_scales}, do8, scale,
+                                  causal)
+  return tuple((g8.astype(jnp.float32) / (s * s_do)).astype(x.dtype)
+               for g8, s, x in zip((dq8, dk8, dv8), (s_dq, s_dk, 1.0), like))
 
 
 _cudnn_fp8.defvjp(_cudnn_fp8_fwd, _cudnn_fp8_bwd)
