@@ -17,19 +17,20 @@ cuDNN *writes* in FP8, P and O have exact bounds:
   P <= 1                  -> scale_s = 256
   |O| <= amax(v)          -> scale_o = s_v
 dS, dQ, dK and dV have no useful bound (worst cases grow with the sequence length and
-would leave most of the gradient below E4M3's smallest subnormal, 2^-9, where cuDNN
-flushes it to zero). cuDNN reports each amax *before* its FP8 cast, so the backward runs
-three times, each pass fixing the scales the next one needs (measured on the H200:
-docs/benchmarks.md, "cuDNN FP8 backward"):
+would leave most of the gradient below E4M3's smallest subnormal, 2^-9, where it flushes
+to zero). cuDNN reports each amax *before* its FP8 cast, so the backward runs three
+times, each pass fixing the scales the next one needs:
   1. all output scales 1: the amax of dS and of dV (dV does not depend on dS).
-     cuDNN writes dV without applying scale_dV, so dO's scale is lowered by a power of
-     two until dV fits E4M3.
-  2. scale_dP from pass 1: dS is now in range, so the amax of dQ and dK are true.
-  3. scale_dQ, scale_dK from pass 2: the gradients.
-The JAX binding takes the backward's scales when the forward runs, so each pass reruns
-the forward on the same FP8 inputs (XLA merges identical calls in one jit). Every FP8
-tensor is scaled from its own current amax, at the price of three cuDNN backward passes
-per step: time the forward, or read this arm's backward timings as an upper bound.
+  2. dS and dV scaled from pass 1: dS is now in range, so the amax of dQ and dK are true.
+  3. dQ and dK scaled from pass 2 (one scale for both): the gradients.
+Two measured quirks of the binding (H200, jax 0.11.2, cuDNN 9.19; docs/benchmarks.md,
+"cuDNN FP8 backward") are handled in `backward_scales`: the output scale keys are rotated
+(scale_dQ scales dS, scale_dK dQ, scale_dV dK, scale_dP dV), and dS comes out 1/scale_s
+of its true value. The JAX binding takes the backward's scales when the forward runs, so
+each pass reruns the forward on the same FP8 inputs (XLA merges identical calls in one
+jit). Every FP8 tensor is scaled from its own current amax, at the price of three cuDNN
+backward passes per step: time the forward, or read this arm's backward timings as an
+upper bound.
 
 How this differs from Transformer Engine: TE uses *delayed* scaling. Each FP8 tensor's
 scale comes from a rolling history of amax values from previous steps (default: the max
@@ -165,28 +166,43 @@ def _cudnn_fp8_fwd(q, k, v, scale, causal):
   return o, ((q8, k8, v8), params, like)
 
 
+# What each backward scale key of the JAX binding controls, measured on the H200 (jax
+# 0.11.2, cuDNN 9.19; benchmarks/cudnn_fp8_probe.py, docs/benchmarks.md "cuDNN FP8
+# backward"): the four output scales arrive rotated by one place.
+SCALE_KEY_OF = {"dS": "scale_dQ", "dQ": "scale_dK", "dK": "scale_dV", "dV": "scale_dP"}
+
+
+def backward_scales(s_ds, s_dqk, s_dv, scale_s):
+  """Backward params giving dS, dQ/dK and dV the scales s_ds, s_dqk, s_dv.
+
+  cuDNN's dS (and its reported amax_dP) comes out 1/scale_s of the true dS; the dS descale
+  puts that factor back, so dQ and dK come out in true units."""
+  return {SCALE_KEY_OF["dS"]: _param(s_ds), "descale_dP": _param(scale_s / s_ds),
+          SCALE_KEY_OF["dQ"]: _param(s_dqk), SCALE_KEY_OF["dK"]: _param(s_dqk),
+          SCALE_KEY_OF["dV"]: _param(s_dv)}
+
+
 def _cudnn_fp8_bwd(scale, causal, res, do):
   """Three cuDNN backward passes, each scale from the current amax (module docstring)."""
   qkv8, params, like = res
-  s_do0 = current_scale(do)
-  unit = {n: _param(1.0) for n in ("scale_dP", "descale_dP", "scale_dQ", "scale_dK", "scale_dV")}
-  # 1. dS and dV amax (reported before their FP8 casts; dV does not depend on dS)
-  *_, amax1 = fp8_backward(qkv8, {**params, **unit}, quantize(do, s_do0), scale, causal)
-  # dV is written without a scale: shift dO down by a power of two until dV fits E4M3
-  shift = jnp.minimum(1.0, current_scale(amax1["amax_dV"]))
-  s_do = s_do0 * shift
+  s_do = current_scale(do)
   do8 = quantize(do, s_do)
-  s_dp = current_scale(amax1["amax_dP"] * shift)
-  ds = {"scale_dP": _param(s_dp), "descale_dP": _param(1 / s_dp)}
-  # 2. with dS in range, the amax of dQ and dK
-  *_, amax2 = fp8_backward(qkv8, {**params, **unit, **ds}, do8, scale, causal)
-  s_dq, s_dk = current_scale(amax2["amax_dQ"]), current_scale(amax2["amax_dK"])
+  scale_s = params["scale_s"].reshape(())
+  one = jnp.float32(1.0)
+  # 1. amax of dS and of dV (dV does not depend on dS)
+  *_, amax1 = fp8_backward(qkv8, {**params, **backward_scales(one, one, one, scale_s)}, do8,
+                           scale, causal)
+  s_ds, s_dv = current_scale(amax1["amax_dP"]), current_scale(amax1["amax_dV"])
+  # 2. with dS in range, the amax of dQ and dK (one scale for both: robust to which
+  #    amax report is which)
+  *_, amax2 = fp8_backward(qkv8, {**params, **backward_scales(s_ds, one, s_dv, scale_s)}, do8,
+                           scale, causal)
+  s_dqk = current_scale(jnp.maximum(amax2["amax_dQ"], amax2["amax_dK"]))
   # 3. the gradients
-  out_scales = {"scale_dQ": _param(s_dq), "scale_dK": _param(s_dk)}
-  dq8, dk8, dv8, _ = fp8_backward(qkv8, {**params, **unit, **ds, **out_scales}, do8, scale,
-                                  causal)
+  dq8, dk8, dv8, _ = fp8_backward(
+      qkv8, {**params, **backward_scales(s_ds, s_dqk, s_dv, scale_s)}, do8, scale, causal)
   return tuple((g8.astype(jnp.float32) / (s * s_do)).astype(x.dtype)
-               for g8, s, x in zip((dq8, dk8, dv8), (s_dq, s_dk, 1.0), like))
+               for g8, s, x in zip((dq8, dk8, dv8), (s_dqk, s_dqk, s_dv), like))
 
 
 _cudnn_fp8.defvjp(_cudnn_fp8_fwd, _cudnn_fp8_bwd)

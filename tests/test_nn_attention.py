@@ -155,15 +155,26 @@ def _fake_cudnn_fp8(q8, k8, v8, fp8_params=None, *, scale, mask_type, qkv_layout
     return (f8(real(*qkv), p["scale_o"]), one, one), (qkv, params)
 
   def run_bwd(res, g):
-    qkv, params = res
+    """dS is formed, scaled and cast like cuDNN on the H200 (benchmarks/cudnn_fp8_probe.py):
+    output scale keys rotated (scale_dQ -> dS, scale_dK -> dQ, scale_dV -> dK,
+    scale_dP -> dV) and dS 1/scale_s of its true value; dQ, dK come from the FP8 dS."""
+    (q, k, v), params = res
     p = {k: v.reshape(()) for k, v in params.items()}
     do = g[0].astype(jnp.float32) * p["descale_dO"]
-    dq, dk, dv = jax.vjp(real, *qkv)[1](do)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+      s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    prob = jax.nn.softmax(s, axis=-1)
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do, v)
+    ds = prob * (dp - jnp.sum(prob * dp, axis=-1, keepdims=True)) / p["scale_s"]
+    ds_hat = f8(ds, p["scale_dQ"]).astype(jnp.float32) * p["descale_dP"]
+    dq = scale * jnp.einsum("bhqk,bkhd->bqhd", ds_hat, k)
+    dk = scale * jnp.einsum("bhqk,bqhd->bkhd", ds_hat, q)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", prob, do)
     amax = lambda x: jnp.max(jnp.abs(x)).reshape(1, 1, 1, 1)
     dparams = {name: jnp.zeros_like(x) for name, x in params.items()}
-    dparams.update(amax_dQ=amax(dq), amax_dK=amax(dk), amax_dV=amax(dv), amax_dP=amax(do))
-    # as measured on the H200: dV is written without scale_dV
-    return f8(dq, p["scale_dQ"]), f8(dk, p["scale_dK"]), f8(dv, 1.0), dparams
+    dparams.update(amax_dQ=amax(dq), amax_dK=amax(dk), amax_dV=amax(dv), amax_dP=amax(ds))
+    return f8(dq, p["scale_dK"]), f8(dk, p["scale_dV"]), f8(dv, p["scale_dP"]), dparams
 
   run.defvjp(run_fwd, run_bwd)
   return run(q8, k8, v8, fp8_params)
@@ -171,9 +182,9 @@ def _fake_cudnn_fp8(q8, k8, v8, fp8_params=None, *, scale, mask_type, qkv_layout
 
 @pytest.mark.parametrize("do_size", [1e-2, 30.0])
 def test_cudnn_fp8_scaling_bookkeeping(monkeypatch, do_size):
-  """With a stand-in kernel of cuDNN's FP8 semantics, outputs and gradients come back in
-  real units (catches a missing descale, dO pre-scale, output scale or dV overflow: with
-  dO scaled to +-448, dV = P^T dO^ would pass 448 without the shift)."""
+  """With a stand-in kernel of cuDNN's measured FP8 semantics, outputs and gradients come
+  back in real units (catches a missing descale, dO pre-scale, a dS left below E4M3's range,
+  a dV scale on the wrong key: with dO scaled to +-448, dV = P^T dO^ would pass 448)."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
   monkeypatch.setattr(fa, "dot_product_attention", _fake_cudnn_fp8)
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
