@@ -57,10 +57,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget", type=float, default=55.0)
+    p.add_argument("--set", default="blocks", choices=("blocks", "fwd_transposed"),
+                   help="blocks: block sizes (and the two checks); fwd_transposed: forward on "
+                        "transposed tiles vs the default, precise and fast accumulation")
     args = p.parse_args()
     start = time.time()
-    res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
-    for name, fn in (("cast_check", cast_check), ("fastacc_rowsums", fastacc_rowsums)):
+    res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "set": args.set}
+    checks = (("cast_check", cast_check), ("fastacc_rowsums", fastacc_rowsums)) if args.set == "blocks" else ()
+    for name, fn in checks:
         try:
             res[name] = fn()
         except Exception as e:
@@ -76,7 +80,16 @@ def main():
         ("q128_k64_w4_s3", False, BlockSizes(128, 64, 64, 64, 4, 3, 4, 2), False),
         ("bwd_q64_k128_w8", False, BlockSizes(128, 64, 64, 128, 8, 2, 8, 2), True),
     ]
+    if args.set == "fwd_transposed":
+        base = default_block_sizes(128, 128)
+        variants = []
+        for causal in (False, True):
+            for fast in (False, True):
+                for t in (False, True):
+                    bs = dataclasses.replace(base, fast_accumulation=fast, fwd_transposed=t)
+                    variants.append((f"fwd{'_t' if t else ''}{'_fastacc' if fast else ''}", causal, bs, False))
     res["timing"] = []
+    reference_out = {}
     for name, causal, bs, with_bwd in variants:
         if time.time() - start > args.budget:
             res["timing"].append(dict(variant=name, causal=causal, error="skipped: time budget"))
@@ -87,6 +100,14 @@ def main():
             q, k, v, causal=c, implementation="pallas", block_sizes=bs)
         row = dict(variant=name, causal=causal, block_sizes=dataclasses.asdict(bs))
         try:
+            with fast_fp8_accumulation(bs.fast_accumulation):
+                out = jax.jit(attn)(*sets[0][:3])
+            key = (causal, bs.fast_accumulation)
+            if key in reference_out:  # first variant of this (causal, fast) pair: the default
+                ref = reference_out[key]
+                row["max_rel_vs_first"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+            else:
+                reference_out[key] = out.astype(jnp.float32)
             steps = [("fwd", fwd_step(attn), 1.0)] + ([("fwdbwd", fwdbwd_step(attn), 3.5)] if with_bwd else [])
             for kind, step, mult in steps:
                 med, lo, hi = time_step(step, sets, 8, 3, bs.fast_accumulation)

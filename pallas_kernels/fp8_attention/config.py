@@ -26,6 +26,9 @@ class BlockSizes:
     # Kernels lowered under fast_accumulation.fast_fp8_accumulation() (benchmarks only):
     # renames the kernels so they never share a compilation cache entry with precise ones.
     fast_accumulation: bool = False
+    # Forward on transposed tiles (S^T, O^T): P^T becomes the shared-memory operand of the
+    # P V dot instead of a register operand (forward.py). Same equations.
+    fwd_transposed: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
