@@ -86,6 +86,49 @@ def semantics(causal, shape=(2, 1024, 4, 128)):
     return dict(sweep=rows, slots=slots)
 
 
+def sensitivity(causal, shape=(2, 1024, 4, 128)):
+    """log2 change of every backward output when one scale key is multiplied by 4.
+
+    Base: unit-normal FP8 inputs, every factor 1 except scale_s = 256 (descale_s = 1/256)
+    and the dS scale candidate scale_dQ = 2^k (descale_dP = 2^-k) that keeps dS in range.
+    Outputs: max |dq8|, |dk8|, |dv8| and the four amax reports. A row of small integers
+    (multiples of 2, i.e. powers of 4) is how each output depends on that key."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from dm_jax.baselines import fp8_backward
+
+    d = shape[-1]
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    f8 = jnp.float8_e4m3fn
+    q8, k8, v8, do8 = (jax.random.normal(kk, shape, F32).astype(f8) for kk in ks)
+    ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
+                  *(x.astype(F32) for x in (q8, k8, v8)))[1](do8.astype(F32))
+    one = jnp.ones((1, 1, 1, 1), F32)
+    base = {name: one for name in fa.fp8_params_keys}
+    base["scale_s"], base["descale_s"] = one * 256.0, one / 256.0
+    run = jax.jit(lambda p: fp8_backward((q8, k8, v8), p, do8, d ** -0.5, causal))
+    amax_dp = float(run(base)[3]["amax_dP"])
+    k_ds = float(jnp.floor(jnp.log2(448.0 / amax_dp)))
+    base["scale_dQ"], base["descale_dP"] = one * 2.0 ** k_ds, one * 2.0 ** -k_ds
+
+    def logs(p):
+        dq8, dk8, dv8, amax = run(p)
+        vals = [jnp.max(jnp.abs(g.astype(F32))) for g in (dq8, dk8, dv8)]
+        vals += [amax[n] for n in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")]
+        return [float(jnp.log2(jnp.maximum(v, 1e-30))) for v in vals]
+
+    b = logs(base)
+    true = [float(jnp.log2(jnp.max(jnp.abs(r)))) for r in ref]
+    out = {"outputs": ["max|dq8|", "max|dk8|", "max|dv8|", "amax_dQ", "amax_dK", "amax_dV", "amax_dP"],
+           "dS_scale_exponent": k_ds, "base_minus_true_log2": [round(x - t, 2) for x, t in zip(b[:3] + b[3:6], true * 2)],
+           "base_log2": [round(x, 2) for x in b], "per_key": {}}
+    keys = ["descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
+            "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP"]
+    for key in keys:
+        out["per_key"][key] = [round(x - y, 2) for x, y in zip(logs({**base, key: base[key] * 4.0}), b)]
+    return out
+
+
 def adapter(causal, wild, shape=(2, 1024, 4, 128)):
     """Our three-pass adapter and our FP8 kernels against f32 attention (section 2)."""
     from dm_jax.baselines import cudnn_fp8_attention
@@ -120,13 +163,18 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--semantics-only", action="store_true", help="skip section 2")
     parser.add_argument("--adapter-only", action="store_true", help="skip section 1")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="section 1 as the log2 response of each output to each scale key")
     args = parser.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     records = {"jax": jax.__version__, "semantics": {}, "adapter": {}}
     for causal in (False, True):
         tag = "causal" if causal else "non_causal"
         try:
-            if not args.adapter_only:
+            if args.sensitivity:
+                records.setdefault("sensitivity", {})[tag] = sensitivity(causal)
+                print(json.dumps(records["sensitivity"][tag], indent=0), flush=True)
+            elif not args.adapter_only:
                 records["semantics"][tag] = semantics(causal)
         except Exception as e:  # noqa: BLE001
             records["semantics"][tag] = f"{type(e).__name__}: {str(e)[:400]}"
