@@ -23,10 +23,11 @@ times, each pass fixing the scales the next one needs:
   1. all output scales 1: the amax of dS and of dV (dV does not depend on dS).
   2. dS and dV scaled from pass 1: dS is now in range, so the amax of dQ and dK are true.
   3. dQ and dK scaled from pass 2 (one scale for both): the gradients.
-Two measured quirks of the binding (H200, jax 0.11.2, cuDNN 9.19; docs/benchmarks.md,
-"cuDNN FP8 backward") are handled in `backward_scales`: the output scale keys are rotated
-(scale_dQ scales dS, scale_dK dQ, scale_dV dK, scale_dP dV), and dS comes out 1/scale_s
-of its true value. The JAX binding takes the backward's scales when the forward runs, so
+Three measured quirks of the binding (H200, jax 0.11.2, cuDNN 9.19; docs/benchmarks.md,
+"cuDNN FP8 backward") are handled in `_fp8_params` and `backward_scales`: the output
+scale keys are rotated (scale_dQ scales dS, scale_dK dQ, scale_dV dK, scale_dP dV), the
+descale_o and descale_dO keys are swapped, and dS comes out descale_s (1/scale_s) times
+its true value. The JAX binding takes the backward's scales when the forward runs, so
 each pass reruns the forward on the same FP8 inputs (XLA merges identical calls in one
 jit). Every FP8 tensor is scaled from its own current amax, at the price of three cuDNN
 backward passes per step: time the forward, or read this arm's backward timings as an
@@ -118,7 +119,10 @@ def _fp8_params(sq, sk, sv):
   one = jnp.float32(1.0)
   vals = {"descale_q": 1 / sq, "descale_k": 1 / sk, "descale_v": 1 / sv,
           "scale_s": jnp.float32(256.0), "descale_s": jnp.float32(1 / 256.0),
-          "scale_o": sv, "descale_o": 1 / sv, "descale_dO": one,
+          "scale_o": sv,
+          # measured: the binding's "descale_dO" descales O (in delta) and "descale_o" dO
+          # (in dV); dO arrives pre-scaled (descale 1), O in FP8 with scale s_v
+          "descale_o": one, "descale_dO": 1 / sv,
           "scale_dP": one, "descale_dP": one,
           "scale_dQ": one, "scale_dK": one, "scale_dV": one,
           "amax_dQ": one, "amax_dK": one, "amax_dV": one, "amax_dP": one}

@@ -152,25 +152,29 @@ def _fake_cudnn_fp8(q8, k8, v8, fp8_params=None, *, scale, mask_type, qkv_layout
     qkv = (q8.astype(jnp.float32) * p["descale_q"], k8.astype(jnp.float32) * p["descale_k"],
            v8.astype(jnp.float32) * p["descale_v"])
     one = jnp.ones((1, 1, 1, 1), jnp.float32)
-    return (f8(real(*qkv), p["scale_o"]), one, one), (qkv, params)
+    o8 = f8(real(*qkv), p["scale_o"])
+    return (o8, one, one), (qkv, o8, params)
 
   def run_bwd(res, g):
     """dS is formed, scaled and cast like cuDNN on the H200 (benchmarks/cudnn_fp8_probe.py):
     output scale keys rotated (scale_dQ -> dS, scale_dK -> dQ, scale_dV -> dK,
-    scale_dP -> dV) and dS 1/scale_s of its true value; dQ, dK come from the FP8 dS."""
-    (q, k, v), params = res
+    scale_dP -> dV), descale_o and descale_dO swapped, dS times descale_s; dQ, dK come
+    from the FP8 dS."""
+    (q, k, v), o8, params = res
     p = {k: v.reshape(()) for k, v in params.items()}
-    do = g[0].astype(jnp.float32) * p["descale_dO"]
+    do = g[0].astype(jnp.float32)  # dO's descale ("descale_o", swapped) only enters dV
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
     if causal:
       s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
     prob = jax.nn.softmax(s, axis=-1)
     dp = jnp.einsum("bqhd,bkhd->bhqk", do, v)
-    ds = prob * (dp - jnp.sum(prob * dp, axis=-1, keepdims=True)) / p["scale_s"]
+    # delta from the FP8 output, descaled by "descale_dO" (swapped with descale_o)
+    delta = jnp.einsum("bqhd,bqhd->bhq", do, o8.astype(jnp.float32) * p["descale_dO"])
+    ds = prob * (dp - delta[..., None]) * p["descale_s"]
     ds_hat = f8(ds, p["scale_dQ"]).astype(jnp.float32) * p["descale_dP"]
     dq = scale * jnp.einsum("bhqk,bkhd->bqhd", ds_hat, k)
     dk = scale * jnp.einsum("bhqk,bqhd->bkhd", ds_hat, q)
-    dv = jnp.einsum("bhqk,bqhd->bkhd", prob, do)
+    dv = jnp.einsum("bhqk,bqhd->bkhd", prob, do) * p["descale_o"]
     amax = lambda x: jnp.max(jnp.abs(x)).reshape(1, 1, 1, 1)
     dparams = {name: jnp.zeros_like(x) for name, x in params.items()}
     dparams.update(amax_dQ=amax(dq), amax_dK=amax(dk), amax_dV=amax(dv), amax_dP=amax(ds))
