@@ -46,7 +46,7 @@ def faked(monkeypatch):
     monkeypatch.setattr(compare, "make_run_config", lambda args, preset, arm, steps, run_dir, log_every=None:
                         types.SimpleNamespace(arm=arm, steps=steps, run_dir=run_dir, batch_size=2, seq_len=8))
     monkeypatch.setattr(loop, "train", _fake_train(behaviour))
-    monkeypatch.setattr(compare.evaluate, "evaluate_run", lambda run_dir, preset, log=None, hooks=None: dict(
+    monkeypatch.setattr(compare.evaluate, "evaluate_run", lambda run_dir, preset, log=None, hooks=None, on_part=None: dict(
         val_ce=2.5, gains={1: dict(max_gain=3.0, top1_share=0.3, top4_share=0.6)}))
     monkeypatch.setattr(presets.jax, "default_backend", lambda: "cpu")
     return behaviour
@@ -83,6 +83,30 @@ def test_statuses_and_report(tmp_path, faked):
     res = _results(out)
     assert res["stale"]["status"] == "done" and res["stale"]["steps"] == 3
     assert os.path.getmtime(os.path.join(out, "results", "reference.json")) == before
+
+
+def test_stopped_evaluation_keeps_training_results_and_finished_parts(tmp_path, faked, monkeypatch):
+    """A process stopped during the evaluation (time limit, Ctrl-C) leaves the arm's
+    training summary, metrics and finished evaluation parts on disk, marked incomplete."""
+    faked.update(matched="ok")
+
+    def evaluate_run(run_dir, preset, log=None, hooks=None, on_part=None):
+        on_part(dict(gains={1: dict(max_gain=3.0, top1_share=0.3, top4_share=0.6)}, errors={}))
+        raise KeyboardInterrupt  # stopped during the next part
+
+    monkeypatch.setattr(compare.evaluate, "evaluate_run", evaluate_run)
+    out = str(tmp_path / "out")
+    with pytest.raises(KeyboardInterrupt):
+        compare.main(["--preset", "tiny", "--arms", "matched", "--steps", "3", "--out", out,
+                      "--runs-dir", str(tmp_path / "runs"), "--no-progress"])
+    res = _results(out)["matched"]
+    assert res["status"] == compare.EVALUATION_INCOMPLETE and "did not finish" in res["reason"]
+    assert res["train_ce"] == pytest.approx(2.7) and res["gains"]["1"]["max_gain"] == 3.0
+    assert os.path.exists(os.path.join(out, "metrics", "matched", "metrics.jsonl"))
+    assert not [f for f in os.listdir(os.path.join(out, "results")) if f.endswith(".tmp")]
+    # the report is rebuilt from what was kept, and --skip-done trains the arm again
+    assert compare.main(["--arms", "matched", "--out", out, "--report-only"]) == 0
+    assert "| matched | trained, evaluation incomplete |" in open(os.path.join(out, "report.md")).read()
 
 
 def test_time_budget_sets_common_steps_and_stops_slow_arms(tmp_path, faked, monkeypatch):

@@ -153,9 +153,15 @@ class _EchoMetrics:
         return False
 
 
-def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Optional[float]) -> dict:
+EVALUATION_INCOMPLETE = "trained, evaluation incomplete"
+
+
+def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Optional[float],
+            save=None) -> dict:
     """Trains and evaluates one arm; failures are recorded in the result, not raised
-    (except a user's Ctrl-C)."""
+    (except a user's Ctrl-C). `save(result)` (optional) is given a provisional result after
+    training and after every evaluation part, so a process stopped mid-evaluation keeps
+    what it measured."""
     result = dict(arm=arm, status="done", reason=None, steps=None)
     reason = presets.unavailable_reason(arm, packing=args.packing)
     if reason:
@@ -190,8 +196,18 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
     if rows:
         result.update(_train_summary(rows), steps=result["steps"] or rows[-1]["step"])
     start = time.perf_counter()
+
+    def keep(parts: dict):  # provisional record until the evaluation returns
+        if save is not None:
+            note = "the evaluation did not finish (the process was stopped)"
+            save(dict(result, **parts, status=EVALUATION_INCOMPLETE if result["status"] == "done" else result["status"],
+                      reason=(result["reason"] + "; " if result["reason"] else "") + note,
+                      eval_seconds=time.perf_counter() - start))
+
+    keep({})
     try:
-        result.update(evaluate.evaluate_run(run_dir, preset, log=console.print, hooks=hooks_for(args.packing)))
+        result.update(evaluate.evaluate_run(run_dir, preset, log=console.print, hooks=hooks_for(args.packing),
+                                            on_part=keep))
     except Exception as e:  # e.g. a diverged run without a checkpoint
         traceback.print_exc()
         result["reason"] = (result["reason"] + "; " if result["reason"] else "") + f"evaluation failed: {e}"
@@ -200,9 +216,12 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
 
 
 def _write_json(path: str, payload) -> None:
+    """Atomic: a process stopped while writing leaves the previous file, never half of one."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, path)
 
 
 def _read_json(path: str):
@@ -304,11 +323,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         limit = notes["budget_s"] - reserve_s - notes["charge_s"] if notes else None  # training time
         run_dir, logged = os.path.join(runs_dir, arm), os.path.join(out, "metrics", arm)
         shutil.rmtree(logged, ignore_errors=True)  # from an earlier comparison
-        result = run_arm(args, preset, arm, steps, run_dir, limit)
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # plots are labelled by folder
-            os.makedirs(logged)
-            shutil.copy(os.path.join(run_dir, "metrics.jsonl"), logged)
-        _write_json(path, result)
+
+        def save(result, path=path, run_dir=run_dir, logged=logged):
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # plots are labelled by folder
+                os.makedirs(logged, exist_ok=True)
+                shutil.copy(os.path.join(run_dir, "metrics.jsonl"), logged)
+            _write_json(path, result)
+
+        result = run_arm(args, preset, arm, steps, run_dir, limit, save=save)
+        save(result)
         console.print(f"{arm}: {result['status']}" + (f" ({result['reason']})" if result.get("reason") else ""))
         finish(out, arms, setup)  # a report after every arm: a killed run still leaves one
     path = finish(out, arms, setup)

@@ -94,12 +94,13 @@ def _ruler(cfg, preset, logits_fn, log) -> dict:
 
 
 def evaluate_run(run_dir: str, preset: ComparePreset, *, log: Callable[[str], None] = print,
-                 hooks=None) -> dict:
+                 hooks=None, on_part: Optional[Callable[[dict], None]] = None) -> dict:
     """Every evaluation of the run in `run_dir` as a JSON-ready dict (see `report.py`).
 
     Each part runs on its own: one that fails is logged and named in `errors` (part ->
     message) and the others still run. The residual probe falls back to the reference
-    implementation when the run's own one cannot compute it."""
+    implementation when the run's own one cannot compute it. `on_part(results so far)` is
+    called after every part, so a caller can keep them if the process is stopped."""
     from train import model as model_lib
 
     hooks = hooks or model_lib.default_hooks()
@@ -126,4 +127,6 @@ def evaluate_run(run_dir: str, preset: ComparePreset, *, log: Callable[[str], No
             traceback.print_exc()
             out["errors"][name] = f"{type(e).__name__}: {e}"
         log(f"    {time.perf_counter() - start:.1f} s")
+        if on_part is not None:
+            on_part(dict(out, errors=dict(out["errors"])))
     return out
