@@ -29,12 +29,12 @@ import dm_jax
 from dm_jax import reference
 from pallas_kernels.fp8_attention.config import default_block_sizes
 from pallas_kernels.fp8_attention.fast_accumulation import fast_fp8_accumulation
-from tests.shapes import BENCH_MAIN, Case
+from tests.shapes import BENCH_SHAPES, Case
 
 F32 = jnp.float32
 
 
-def arms(case: Case):
+def arms(case: Case, implementation="pallas"):
     """name -> (attention fn (q, k, v) -> out, lowering context flag)."""
     import dataclasses
 
@@ -44,7 +44,7 @@ def arms(case: Case):
     def ours(delta, precision, block_sizes=bs):
         return lambda q, k, v: dm_jax.attention(
             q, k, v, causal=case.causal, delta=delta, precision=precision,
-            implementation="pallas", block_sizes=block_sizes)
+            implementation=implementation, block_sizes=block_sizes)
 
     out = {
         "ours_fp8_matched": (ours("matched", "fp8"), False),
@@ -63,8 +63,9 @@ def arms(case: Case):
         print("cudnn_fp8 arm unavailable:", e)
     out["cudnn_bf16"] = (lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=case.causal, implementation="cudnn"), False)
-    out["xla_bf16"] = (lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=case.causal, implementation="xla"), False)
+    if case.t <= 4096:  # XLA materializes the [B, H, T, S] logits
+        out["xla_bf16"] = (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=case.causal, implementation="xla"), False)
     return out
 
 
@@ -121,7 +122,7 @@ def errors(attn, args, hp, fast):
     return {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, hp)}
 
 
-def bench_case(case: Case, iters, reps, budget_end, only=None):
+def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="pallas"):
     sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
     f32_args = [x.astype(F32) for x in sets[0]]
 
@@ -132,7 +133,7 @@ def bench_case(case: Case, iters, reps, budget_end, only=None):
     hp = jax.jit(hp_fn)(*f32_args)
     del f32_args
     rows = []
-    for name, (attn, fast) in arms(case).items():
+    for name, (attn, fast) in arms(case, implementation).items():
         if only and name not in only:
             continue
         if time.time() > budget_end:
@@ -181,14 +182,28 @@ def main(argv=None):
     p.add_argument("--arms", default="", help="comma-separated subset")
     p.add_argument("--causal", default="both", choices=("both", "0", "1"))
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU check of the script: each shape shrunk to [1, 256, 2 heads], interpret mode")
+    p.add_argument("--shapes", default="main",
+                   help=f"comma-separated, from {sorted(BENCH_SHAPES)} (tests/shapes.py)")
     args = p.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
     only = set(a for a in args.arms.split(",") if a)
+    names = [n for n in args.shapes.split(",") if n]
+    unknown = [n for n in names if n not in BENCH_SHAPES]
+    if unknown or not names:
+        p.error(f"--shapes: unknown {unknown}; choose from {sorted(BENCH_SHAPES)}")
     rows = []
-    for causal in {"both": (False, True), "0": (False,), "1": (True,)}[args.causal]:
-        case = dataclasses.replace(BENCH_MAIN, causal=causal)
-        rows += bench_case(case, args.iters, args.reps, start + args.budget, only)
+    for name in names:
+        for causal in {"both": (False, True), "0": (False,), "1": (True,)}[args.causal]:
+            case = dataclasses.replace(BENCH_SHAPES[name], causal=causal)
+            impl = "pallas"
+            if args.smoke:
+                hkv = 2 if case.hkv == case.hq else 1  # keep GQA shapes grouped
+                case = dataclasses.replace(case, b=1, t=256, s=256, hq=2, hkv=hkv)
+                impl = "pallas_interpret"
+            rows += bench_case(case, args.iters, args.reps, start + args.budget, only, impl)
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows,
                 seconds=time.time() - start, argv=sys.argv)
     with open(os.path.join(args.out, f"benchmarks{args.tag}.json"), "w") as f:

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from dm_jax.masking import split_segment_ids
-from dm_jax.nn.fp8 import FP8_MAX, current_scale, quantize
+from dm_jax.nn.fp8 import current_scale, quantize
 
 
 def _require_gpu(name: str):

@@ -96,3 +96,15 @@ def gpu_cases(t: int, causal: bool, delta: str, head_dims=HEAD_DIMS, precision="
 
 
 BENCH_MAIN = Case("main", 4, 4096, 4096, 16, 16, 128, 128)
+
+# The speed benchmark's other shapes (benchmarks/attention.py --shapes): head dims where
+# cuDNN FP8 cannot train, GQA, longer sequences; about the main shape's work per step.
+BENCH_SHAPES = {
+    "main": BENCH_MAIN,
+    "d64": Case("d64", 4, 4096, 4096, 16, 16, 64, 64),
+    "d256": Case("d256", 4, 4096, 4096, 16, 16, 256, 256),
+    "d192_128": Case("d192_128", 4, 4096, 4096, 16, 16, 192, 128),
+    "gqa32_8": Case("gqa32_8", 2, 4096, 4096, 32, 8, 128, 128),
+    "t8192": Case("t8192", 2, 8192, 8192, 16, 16, 128, 128),
+    "t16384": Case("t16384", 1, 16384, 16384, 16, 16, 128, 128),
+}

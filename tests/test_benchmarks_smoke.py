@@ -1,0 +1,67 @@
+"""The GPU scripts under benchmarks/ run end to end on the CPU (interpret mode, tiny
+shapes), so a GPU call never fails on a script error; the cuDNN probe's analysis is run
+against the stand-in kernel with the semantics measured on the H200."""
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from benchmarks import correctness, cudnn_fp8_probe, passes
+
+
+def test_correctness_script_quick(tmp_path):
+    assert correctness.main(["--quick", "--implementation", "pallas_interpret", "--out", str(tmp_path)]) == 0
+    records = json.load(open(tmp_path / "correctness.json"))["records"]
+    by_mode = {r["delta"]: r for r in records}
+    assert set(by_mode) == {"matched", "do_matched", "stale"} and all(r["finite"] for r in records)
+    assert by_mode["matched"]["pre_max"] < 1e-5
+    # do_matched removes dO's rounding from the residual, stale does not: the median drops
+    assert by_mode["matched"]["pre_median"] < by_mode["do_matched"]["pre_median"] < by_mode["stale"]["pre_median"]
+    assert max(r["ref_dq"] for r in records) < 1e-5  # kernels == emulation on the CPU
+
+
+def test_passes_script_smoke(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["passes.py", "--smoke", "--iters", "1", "--reps", "1",
+                                     "--out", str(tmp_path)])
+    passes.main()
+    rows = json.load(open(tmp_path / "passes.json"))["rows"]
+    names = {r["name"] for r in rows if "ms" in r}
+    assert not [r for r in rows if "error" in r]
+    assert {"forward_kernel", "delta_matched_kernel", "dq_pass", "dkdv_pass"} <= names
+
+
+def test_cudnn_probe_recovers_the_measured_key_mapping(monkeypatch):
+    """Against a stand-in with the H200's semantics, the sensitivity analysis reads each
+    output scale key off as scaling the tensor it really scales (log2 change 2 = x4; less
+    where the base value sits in E4M3's subnormal range, as dQ does here)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from tests.test_nn_attention import _fake_cudnn_fp8
+
+    monkeypatch.setattr(fa, "dot_product_attention", _fake_cudnn_fp8)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    out = cudnn_fp8_probe.sensitivity(False, shape=(1, 128, 2, 128))
+    per_key = out["per_key"]  # columns: max dq8, dk8, dv8, amax dQ, dK, dV, dP
+    for key, column in (("scale_dK", 0), ("scale_dV", 1), ("scale_dP", 2)):
+        changes = per_key[key][:3]
+        assert changes[column] > 1.0 and sum(abs(c) for c in changes) == changes[column], key
+    assert per_key["descale_o"][2] == pytest.approx(2.0, abs=0.05)
+    assert out["base_minus_true_log2"][3] == pytest.approx(-8.0, abs=0.1)  # amax_dQ: dS times 1/256
+
+
+def test_attention_benchmark_smoke(tmp_path):
+    """Every shape of the speed benchmark builds; our arms time and score, cuDNN's fail
+    with a recorded reason on a CPU."""
+    from benchmarks import attention
+
+    attention.main(["--smoke", "--shapes", "gqa32_8,d192_128", "--causal", "1", "--iters", "1", "--reps", "1",
+                    "--arms", "ours_fp8_matched,cudnn_bf16", "--out", str(tmp_path)])
+    rows = json.load(open(tmp_path / "benchmarks.json"))["rows"]
+    ours = [r for r in rows if r["arm"] == "ours_fp8_matched"]
+    assert [r["case"] for r in ours] == ["gqa32_8", "d192_128"]
+    for r in ours:
+        assert r["fwd_tflops"] > 0 and r["fwdbwd_ms"] > 0 and r["err"]["dq"] < 0.1
+    if jax.default_backend() != "gpu":
+        assert all("error" in r for r in rows if r["arm"] == "cudnn_bf16")
