@@ -81,8 +81,9 @@ def fwdbwd_step(attn):
     return step
 
 
-def time_step(step, sets, iters, reps, fast):
-    """Median seconds per step (see the module docstring)."""
+def time_step(step, sets, iters, reps, fast, max_num_imprecise_acc=None):
+    """Median seconds per step (see the module docstring); ``max_num_imprecise_acc``: the
+    fast kernels' promotion interval (fast_accumulation.py), None for the fast default."""
 
     def loop(sets):
         def body(_, carry):
@@ -97,7 +98,8 @@ def time_step(step, sets, iters, reps, fast):
 
         return jax.lax.fori_loop(0, iters, body, (jnp.zeros((), F32), tuple(s[0] for s in sets)))[0]
 
-    with fast_fp8_accumulation(fast):
+    kw = {} if max_num_imprecise_acc is None else dict(max_num_imprecise_acc=max_num_imprecise_acc)
+    with fast_fp8_accumulation(fast, **kw):
         compiled = jax.jit(loop).lower(sets).compile()
     compiled(sets).block_until_ready()  # warm-up
     times = []

@@ -40,13 +40,14 @@ def cast_check():
     return dict(values=int(x.size), differing=int(np.sum(got != want)))
 
 
-def fastacc_rowsums():
+def fastacc_rowsums(max_num_imprecise_acc=None):
     case = Case("rows", 2, 2048, 2048, 16, 16, 128, 128, causal=True)
     q, k, v, do = case.arrays(seed=0)
     bs = dataclasses.replace(default_block_sizes(128, 128), fast_accumulation=True)
     cfg = AttentionConfig(True, "matched", "fp8", 128 ** -0.5, "pallas", bs)
     kern = BACKENDS["pallas"]
-    with fast_fp8_accumulation(True) as on:
+    kw = {} if max_num_imprecise_acc is None else dict(max_num_imprecise_acc=max_num_imprecise_acc)
+    with fast_fp8_accumulation(True, **kw) as on:
         out, lse = jax.jit(lambda q, k, v: kern.forward(q, k, v, None, None, config=cfg))(q, k, v)
         g = jax.jit(lambda *a: kern.backward(*a, None, None, config=cfg))(q, k, v, out, lse, do)
     r = jnp.abs(g.ds_rowsum_pre) / jnp.where(g.ds_abssum_pre == 0, 1.0, g.ds_abssum_pre)
@@ -57,9 +58,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget", type=float, default=55.0)
-    p.add_argument("--set", default="blocks", choices=("blocks", "fwd_transposed"),
+    p.add_argument("--set", default="blocks", choices=("blocks", "fwd_transposed", "accumulation"),
                    help="blocks: block sizes (and the two checks); fwd_transposed: forward on "
-                        "transposed tiles vs the default, precise and fast accumulation")
+                        "transposed tiles vs the default, precise and fast accumulation; "
+                        "accumulation: default vs fast vs promotion every 32 products "
+                        "(max_num_imprecise_acc), fwd and fwd+bwd, with matched row sums")
     args = p.parse_args()
     start = time.time()
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "set": args.set}
@@ -88,6 +91,17 @@ def main():
                 for t in (False, True):
                     bs = dataclasses.replace(base, fast_accumulation=fast, fwd_transposed=t)
                     variants.append((f"fwd{'_t' if t else ''}{'_fastacc' if fast else ''}", causal, bs, False))
+    imprecise = {}  # variant name -> max_num_imprecise_acc for the fast kernels
+    if args.set == "accumulation":
+        base = default_block_sizes(128, 128)
+        fast = dataclasses.replace(base, fast_accumulation=True)
+        variants = []
+        for causal in (False, True):
+            variants += [("default", causal, base, True), ("fast", causal, fast, True),
+                         ("promote32", causal, fast, True)]
+        imprecise = {"promote32": 32}
+        res["rowsums"] = {name: fastacc_rowsums(imprecise.get(name)) for name in ("fast", "promote32")}
+        print("rowsums", res["rowsums"], flush=True)
     res["timing"] = []
     reference_out = {}
     for name, causal, bs, with_bwd in variants:
@@ -100,9 +114,10 @@ def main():
             q, k, v, causal=c, implementation="pallas", block_sizes=bs)
         row = dict(variant=name, causal=causal, block_sizes=dataclasses.asdict(bs))
         try:
-            with fast_fp8_accumulation(bs.fast_accumulation):
+            acc = {} if name not in imprecise else dict(max_num_imprecise_acc=imprecise[name])
+            with fast_fp8_accumulation(bs.fast_accumulation, **acc):
                 out = jax.jit(attn)(*sets[0][:3])
-            key = (causal, bs.fast_accumulation)
+            key = causal if args.set == "accumulation" else (causal, bs.fast_accumulation)
             if key in reference_out:  # first variant of this (causal, fast) pair: the default
                 ref = reference_out[key]
                 row["max_rel_vs_first"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
@@ -110,7 +125,7 @@ def main():
                 reference_out[key] = out.astype(jnp.float32)
             steps = [("fwd", fwd_step(attn), 1.0)] + ([("fwdbwd", fwdbwd_step(attn), 3.5)] if with_bwd else [])
             for kind, step, mult in steps:
-                med, lo, hi = time_step(step, sets, 8, 3, bs.fast_accumulation)
+                med, lo, hi = time_step(step, sets, 8, 3, bs.fast_accumulation, imprecise.get(name))
                 row[f"{kind}_ms"] = med * 1e3
                 row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
         except Exception as e:

@@ -56,3 +56,14 @@ def test_gain_statistics_shares():
     assert float(jnp.sum(energy)) == 16.0
     with pytest.raises(ValueError, match="g_q, g_k"):
         gain_statistics(jnp.ones(4), jnp.ones(5))
+
+
+def test_kernel_config_imports_first():
+    """`pallas_kernels.fp8_attention.config` can be the first import (no import cycle)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = "from pallas_kernels.fp8_attention.config import BlockSizes; BlockSizes()"
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(repo))

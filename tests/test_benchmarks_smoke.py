@@ -65,3 +65,20 @@ def test_attention_benchmark_smoke(tmp_path):
         assert r["fwd_tflops"] > 0 and r["fwdbwd_ms"] > 0 and r["err"]["dq"] < 0.1
     if jax.default_backend() != "gpu":
         assert all("error" in r for r in rows if r["arm"] == "cudnn_bf16")
+
+
+def test_kernel_ir_capture_and_census():
+    """The offline PTX census: TTIR of every kernel is captured on a CPU host (the compile
+    step needs the triton package and is not run here), and the counter reads PTX."""
+    from benchmarks import kernel_ir
+
+    modules, _ = kernel_ir.capture_ttir("fp8", fast=True, head_dim=64, tokens=128)
+    assert sorted(modules) == ["dm_fp8_attention_dkdv_fastacc", "dm_fp8_attention_dq_fastacc",
+                               "dm_fp8_attention_forward_fastacc", "dm_fp8_attention_matched_delta_fastacc"]
+    assert all("tt.dot" in m for m in modules.values())
+    ptx = ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {..};\n" * 2
+           + "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {..};\nprmt.b32 %r1;\nbar.sync 0;\n")
+    counts = kernel_ir.census(ptx)
+    assert counts["wgmma"] == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 2}
+    assert counts["mma.sync"] == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 1}
+    assert counts["prmt"] == {"prmt.b32": 1} and counts["bar"] == {"bar.sync": 1}

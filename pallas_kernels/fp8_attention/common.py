@@ -18,6 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.fp8_attention import fast_accumulation as fast_acc
+
 F32 = jnp.float32
 
 
@@ -42,8 +44,12 @@ def compiler_params(num_warps: int, num_stages: int):
 
 
 def kernel_name(base: str, fast_accumulation: bool) -> str:
-    """pallas_call name; kernels lowered with fast FP8 accumulation get their own."""
-    return base + ("_fastacc" if fast_accumulation else "")
+    """pallas_call name; kernels asking for fast FP8 accumulation get the ``_fastacc``
+    suffix, which the lowering hook of :mod:`.fast_accumulation` acts on."""
+    if not fast_accumulation:
+        return base
+    fast_acc.install()
+    return base + fast_acc.FAST_SUFFIX
 
 
 def dot_nt(a, b):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from dm_jax import numerics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,14 +22,18 @@ class BlockSizes:
     num_stages: int = 2
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
-    # Kernels lowered under fast_accumulation.fast_fp8_accumulation() (benchmarks only):
-    # renames the kernels so they never share a compilation cache entry with precise ones.
+    # Hopper's FP8 tensor-core path with reduced-precision accumulation inside each tile's
+    # dot (fast_accumulation.py; private JAX API, version-guarded). The kernels get their
+    # own names, so they never share a compilation cache entry with precise ones.
     fast_accumulation: bool = False
     # Forward on transposed tiles (S^T, O^T): P^T becomes the shared-memory operand of the
     # P V dot instead of a register operand (forward.py). Same equations.
     fwd_transposed: bool = False
 
     def __post_init__(self):
+        # imported here: dm_jax imports the kernels, which import this module
+        from dm_jax import numerics
+
         for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1) or numerics.SCALE_BLOCK % value:
