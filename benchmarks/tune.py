@@ -40,12 +40,13 @@ def cast_check():
     return dict(values=int(x.size), differing=int(np.sum(got != want)))
 
 
-def fastacc_rowsums(max_num_imprecise_acc=None):
-    case = Case("rows", 2, 2048, 2048, 16, 16, 128, 128, causal=True)
+def fastacc_rowsums(max_num_imprecise_acc=None, implementation="pallas"):
+    t = 2048 if implementation == "pallas" else 256
+    case = Case("rows", 2, t, t, 16 if t > 256 else 2, 16 if t > 256 else 2, 128, 128, causal=True)
     q, k, v, do = case.arrays(seed=0)
     bs = dataclasses.replace(default_block_sizes(128, 128), fast_accumulation=True)
-    cfg = AttentionConfig(True, "matched", "fp8", 128 ** -0.5, "pallas", bs)
-    kern = BACKENDS["pallas"]
+    cfg = AttentionConfig(True, "matched", "fp8", 128 ** -0.5, implementation, bs)
+    kern = BACKENDS[implementation]
     kw = {} if max_num_imprecise_acc is None else dict(max_num_imprecise_acc=max_num_imprecise_acc)
     with fast_fp8_accumulation(True, **kw) as on:
         out, lse = jax.jit(lambda q, k, v: kern.forward(q, k, v, None, None, config=cfg))(q, k, v)
@@ -54,7 +55,7 @@ def fastacc_rowsums(max_num_imprecise_acc=None):
     return dict(patched=bool(on), pre_max=float(jnp.max(r)), pre_median=float(jnp.median(r)))
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget", type=float, default=55.0)
@@ -63,10 +64,15 @@ def main():
                         "transposed tiles vs the default, precise and fast accumulation; "
                         "accumulation: default vs fast vs promotion every 32 products "
                         "(max_num_imprecise_acc), fwd and fwd+bwd, with matched row sums")
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU check of the script: [1, 256, 2 heads] shapes, interpret mode")
+    args = p.parse_args(argv)
+    impl = "pallas_interpret" if args.smoke else "pallas"
+    main_case = dataclasses.replace(BENCH_MAIN, b=1, t=256, s=256, hq=2, hkv=2) if args.smoke else BENCH_MAIN
     start = time.time()
     res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "set": args.set}
-    checks = (("cast_check", cast_check), ("fastacc_rowsums", fastacc_rowsums)) if args.set == "blocks" else ()
+    checks = ((("cast_check", cast_check), ("fastacc_rowsums", lambda: fastacc_rowsums(None, impl)))
+              if args.set == "blocks" else ())
     for name, fn in checks:
         try:
             res[name] = fn()
@@ -100,7 +106,7 @@ def main():
             variants += [("default", causal, base, True), ("fast", causal, fast, True),
                          ("promote32", causal, fast, True)]
         imprecise = {"promote32": 32}
-        res["rowsums"] = {name: fastacc_rowsums(imprecise.get(name)) for name in ("fast", "promote32")}
+        res["rowsums"] = {name: fastacc_rowsums(imprecise.get(name), impl) for name in ("fast", "promote32")}
         print("rowsums", res["rowsums"], flush=True)
     res["timing"] = []
     reference_out = {}
@@ -108,10 +114,10 @@ def main():
         if time.time() - start > args.budget:
             res["timing"].append(dict(variant=name, causal=causal, error="skipped: time budget"))
             continue
-        case = dataclasses.replace(BENCH_MAIN, causal=causal)
+        case = dataclasses.replace(main_case, causal=causal)
         sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
         attn = lambda q, k, v, bs=bs, c=causal: dm_jax.attention(  # noqa: E731
-            q, k, v, causal=c, implementation="pallas", block_sizes=bs)
+            q, k, v, causal=c, implementation=impl, block_sizes=bs)
         row = dict(variant=name, causal=causal, block_sizes=dataclasses.asdict(bs))
         try:
             acc = {} if name not in imprecise else dict(max_num_imprecise_acc=imprecise[name])
@@ -125,7 +131,8 @@ def main():
                 reference_out[key] = out.astype(jnp.float32)
             steps = [("fwd", fwd_step(attn), 1.0)] + ([("fwdbwd", fwdbwd_step(attn), 3.5)] if with_bwd else [])
             for kind, step, mult in steps:
-                med, lo, hi = time_step(step, sets, 8, 3, bs.fast_accumulation, imprecise.get(name))
+                iters, reps = (1, 1) if args.smoke else (8, 3)
+                med, lo, hi = time_step(step, sets, iters, reps, bs.fast_accumulation, imprecise.get(name))
                 row[f"{kind}_ms"] = med * 1e3
                 row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
         except Exception as e:

@@ -82,3 +82,14 @@ def test_kernel_ir_capture_and_census():
     assert counts["wgmma"] == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 2}
     assert counts["mma.sync"] == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 1}
     assert counts["prmt"] == {"prmt.b32": 1} and counts["bar"] == {"bar.sync": 1}
+
+
+def test_tune_accumulation_set_smoke(tmp_path):
+    """`tune.py --set accumulation` (next GPU run) runs every variant and its row-sum check."""
+    from benchmarks import tune
+
+    tune.main(["--smoke", "--set", "accumulation", "--budget", "600", "--out", str(tmp_path)])
+    res = json.load(open(tmp_path / "tune.json"))
+    assert [r["variant"] for r in res["timing"]] == ["default", "fast", "promote32"] * 2
+    assert all("fwdbwd_ms" in r for r in res["timing"])
+    assert all(r["pre_max"] < 1e-5 for r in res["rowsums"].values())
