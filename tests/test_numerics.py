@@ -103,3 +103,15 @@ def test_pow2_scale_for_e5m2_uses_its_own_max():
         assert float(numerics.pow2_scale(amax, 57344.0)) == want
     x8 = numerics.quantize(jnp.float32([1e9]), 1.0, jnp.float8_e5m2)
     assert float(x8.astype(jnp.float32)[0]) == 57344.0
+
+
+def test_cast_probabilities_gives_quantize_bits():
+    """The kernels' short cast of P equals the general rule bit for bit on [0, 1] and NaN."""
+    p = np.concatenate([np.random.default_rng(0).random(100_000), [0.0, 1.0, 2.0 ** -20, 0.5 ** 9, np.nan]])
+    p = jnp.asarray(p, jnp.float32)
+    short = numerics.cast_probabilities(p, "fp8")
+    rule = numerics.quantize(p, numerics.p_scale("fp8"))
+    assert short.dtype == rule.dtype
+    np.testing.assert_array_equal(np.asarray(short).view(np.uint8), np.asarray(rule).view(np.uint8))
+    bf = numerics.cast_probabilities(p, "bf16")
+    np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(p.astype(jnp.bfloat16), np.float32))

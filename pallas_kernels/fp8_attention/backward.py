@@ -117,7 +117,7 @@ def _dkdv_kernel(
             # dK_j += dS^^T Q^ (Q^T K-major), dV_j += (P*256)^^T dO^ (dO^T K-major)
             descale_k = (sm_scale / ds_scale) * common.tile_scalar(inv_q)
             dk = dk + common.dot_tt(ds8, qt_ref[g, :, rows]) * descale_k
-            p8 = numerics.cast_operand(p, p_scale, precision)
+            p8 = numerics.cast_probabilities(p, precision)
             dv = dv + common.dot_tt(p8, dot_ref[g, :, rows]) * (
                 common.tile_scalar(inv_do) / p_scale
             )

@@ -55,7 +55,7 @@ def _forward_kernel(
         p = jnp.exp(s - m_safe[:, None])
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p, axis=1)
-        p8 = numerics.cast_operand(p, p_scale, precision)
+        p8 = numerics.cast_probabilities(p, precision)
         # P^ V^ with V^T [Dv, bk] (K-major): contraction over the key tile.
         pv = common.dot_nt(p8, vt_ref[:, keys])
         pv = pv * (common.tile_scalar(inv_v_ref[keys]) / p_scale)
@@ -104,7 +104,7 @@ def _forward_kernel_transposed(
         p_t = jnp.exp(s_t - m_safe[None, :])
         alpha = jnp.exp(m - m_safe)
         l = alpha * l + jnp.sum(p_t, axis=0)
-        p8_t = numerics.cast_operand(p_t, p_scale, precision)
+        p8_t = numerics.cast_probabilities(p_t, precision)
         # acc^T += V^^T [Dv, bk] @ (P^)^T [bk, bq]: V^T tile first (K-major), P^T second
         pv_t = jnp.dot(vt_ref[:, keys], p8_t, preferred_element_type=F32)
         pv_t = pv_t * (common.tile_scalar(inv_v_ref[keys]) / p_scale)
