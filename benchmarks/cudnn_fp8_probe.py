@@ -31,27 +31,34 @@ def rel(a, b):
     return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
-def semantics(causal, shape=(2, 1024, 4, 128)):
-    """Direct cuDNN calls on FP8 inputs with known scales (section 1)."""
+def _unit_problem(causal, shape):
+    """(backward, ref, base) for unit-normal FP8 q, k, v and dO: the jitted cuDNN FP8
+    backward as a function of its params, the f32 reference gradients on the same FP8
+    values, and base params (every factor 1 except P's scale, 256)."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     from dm_jax.baselines import fp8_backward
 
-    d = shape[-1]
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    f8 = jnp.float8_e4m3fn
-    q8, k8, v8, do8 = (jax.random.normal(kk, shape, F32).astype(f8) for kk in ks)
-    ref_vjp = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
-                      *(x.astype(F32) for x in (q8, k8, v8)))[1]
-    ref = ref_vjp(do8.astype(F32))
+    q8, k8, v8, do8 = (jax.random.normal(kk, shape, F32).astype(jnp.float8_e4m3fn) for kk in ks)
+    ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
+                  *(x.astype(F32) for x in (q8, k8, v8)))[1](do8.astype(F32))
     one = jnp.ones((1, 1, 1, 1), F32)
     base = {name: one for name in fa.fp8_params_keys}
     base["scale_s"], base["descale_s"] = one * 256.0, one / 256.0
+    run = jax.jit(lambda p: fp8_backward((q8, k8, v8), p, do8, shape[-1] ** -0.5, causal))
+    return run, ref, base
+
+
+def semantics(causal, shape=(2, 1024, 4, 128)):
+    """Direct cuDNN calls on FP8 inputs with known scales (section 1)."""
+    backward, ref, base = _unit_problem(causal, shape)
+    one = jnp.ones((1, 1, 1, 1), F32)
 
     def run(s_dp, s_out):
         p = {**base, "scale_dP": one * s_dp, "descale_dP": one / s_dp,
              "scale_dQ": one * s_out, "scale_dK": one * s_out, "scale_dV": one * s_out}
-        g8 = jax.jit(lambda p: fp8_backward((q8, k8, v8), p, do8, d ** -0.5, causal))(p)
+        g8 = backward(p)
         grads = [g.astype(F32) for g in g8[:3]]
         return dict(
             scale_dP=s_dp, scale_out=s_out,
@@ -76,7 +83,7 @@ def semantics(causal, shape=(2, 1024, 4, 128)):
         small = iter((2.0, 4.0))
         for n in names:
             p[n] = one * (s_good if n == ds_key else next(small))
-        g8 = jax.jit(lambda p: fp8_backward((q8, k8, v8), p, do8, d ** -0.5, causal))(p)
+        g8 = backward(p)
         grads = [g.astype(F32) for g in g8[:3]]
         slots.append(dict(
             keys={n: float(p[n].reshape(())) for n in names + ("scale_dP",)},
@@ -93,20 +100,8 @@ def sensitivity(causal, shape=(2, 1024, 4, 128)):
     and the dS scale candidate scale_dQ = 2^k (descale_dP = 2^-k) that keeps dS in range.
     Outputs: max |dq8|, |dk8|, |dv8| and the four amax reports. A row of small integers
     (multiples of 2, i.e. powers of 4) is how each output depends on that key."""
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    from dm_jax.baselines import fp8_backward
-
-    d = shape[-1]
-    ks = jax.random.split(jax.random.PRNGKey(0), 4)
-    f8 = jnp.float8_e4m3fn
-    q8, k8, v8, do8 = (jax.random.normal(kk, shape, F32).astype(f8) for kk in ks)
-    ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
-                  *(x.astype(F32) for x in (q8, k8, v8)))[1](do8.astype(F32))
+    run, ref, base = _unit_problem(causal, shape)
     one = jnp.ones((1, 1, 1, 1), F32)
-    base = {name: one for name in fa.fp8_params_keys}
-    base["scale_s"], base["descale_s"] = one * 256.0, one / 256.0
-    run = jax.jit(lambda p: fp8_backward((q8, k8, v8), p, do8, d ** -0.5, causal))
     amax_dp = float(run(base)[3]["amax_dP"])
     k_ds = float(jnp.floor(jnp.log2(448.0 / amax_dp)))
     base["scale_dQ"], base["descale_dP"] = one * 2.0 ** k_ds, one * 2.0 ** -k_ds
