@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 
-
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Tile sizes (tokens) of the forward and backward passes, plus launch settings."""
@@ -26,9 +25,6 @@ class BlockSizes:
     # dot (fast_accumulation.py; private JAX API, version-guarded). The kernels get their
     # own names, so they never share a compilation cache entry with precise ones.
     fast_accumulation: bool = False
-    # Forward on transposed tiles (S^T, O^T): P^T becomes the shared-memory operand of the
-    # P V dot instead of a register operand (forward.py). Same equations.
-    fwd_transposed: bool = False
 
     def __post_init__(self):
         # imported here: dm_jax imports the kernels, which import this module

@@ -7,12 +7,6 @@ Per (batch, query head, query tile) and key tile j (m, l, acc: FP32 row state):
     acc = alpha acc + ((p * 256)^ V^_j) * (inv_v / 256)    (P cast with the fixed scale)
     O = acc / l (0 for rows with no visible key),  lse = m + log l (+inf there)
 P^ V^ reads V from its K-major copy V^T [Dv, S] (tokens contiguous).
-
-Transposed variant (``BlockSizes.fwd_transposed``): the same equations on transposed
-tiles, S^T = K^ Q^^T [bk, bq] and acc^T [Dv, bq] += V^^T (P^)^T, so that P^T is the second
-operand of the P V dot. Hopper's FP8 tensor-core instruction reads its second operand from
-shared memory, while a first operand held in registers needs a layout change of the FP8
-values; this variant measures which of the two costs less.
 """
 from __future__ import annotations
 
@@ -73,59 +67,10 @@ def _forward_kernel(
     lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
 
 
-def _forward_kernel_transposed(
-    q_ref, inv_q_ref, k_ref, inv_k_ref, vt_ref, inv_v_ref, *rest,
-    mask: MaskSpec, sm_scale: float, precision: str, block_q: int, block_k: int, n_k: int,
-):
-    if mask.segments:
-        q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
-    else:
-        (o_ref, lse_ref), q_seg_ref, kv_seg_ref = rest, None, None
-    i = pl.program_id(0)
-    q8 = q_ref[...]  # [bq, Dqk]
-    inv_q = inv_q_ref[...]  # [bq]
-    q_pos = common.positions(i, block_q)
-    q_seg = q_seg_ref[...] if mask.segments else None
-    p_scale = numerics.p_scale(precision)
-
-    def body(j, carry, masked):
-        m, l, acc_t = carry  # m, l [bq]; acc_t [Dv, bq]
-        keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        valid_t = None
-        if masked:
-            k_seg = kv_seg_ref[keys] if mask.segments else None
-            valid_t = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg).T
-        # S^T = (K^ Q^^T) * (inv_k scale inv_q)  [bk, bq]
-        s_t = common.dot_nt(k_ref[keys, :], q8) * (inv_k_ref[keys][:, None] * (sm_scale * inv_q)[None, :])
-        if valid_t is not None:
-            s_t = jnp.where(valid_t, s_t, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s_t, axis=0))
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p_t = jnp.exp(s_t - m_safe[None, :])
-        alpha = jnp.exp(m - m_safe)
-        l = alpha * l + jnp.sum(p_t, axis=0)
-        p8_t = numerics.cast_probabilities(p_t, precision)
-        # acc^T += V^^T [Dv, bk] @ (P^)^T [bk, bq]: V^T tile first (K-major), P^T second
-        pv_t = jnp.dot(vt_ref[:, keys], p8_t, preferred_element_type=F32)
-        pv_t = pv_t * (common.tile_scalar(inv_v_ref[keys]) / p_scale)
-        return m_new, l, alpha[None, :] * acc_t + pv_t
-
-    dv = o_ref.shape[-1]
-    init = (
-        jnp.full((block_q,), -jnp.inf, F32),
-        jnp.zeros((block_q,), F32),
-        jnp.zeros((dv, block_q), F32),
-    )
-    m, l, acc_t = common.key_loop(body, init, i, block_q, block_k, n_k, mask)
-    empty = l == 0.0
-    o_ref[...] = (acc_t / jnp.where(empty, 1.0, l)[None, :]).T.astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, jnp.inf, m + jnp.log(jnp.where(empty, 1.0, l)))
-
-
 def forward(
     q, k, v, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float, precision: str,
     block_q: int, block_k: int, num_warps: int, num_stages: int, out_dtype, interpret: bool,
-    fast_accumulation: bool = False, transposed: bool = False,
+    fast_accumulation: bool = False,
 ):
     """Run the forward kernel on quantized, padded operands.
 
@@ -139,7 +84,7 @@ def forward(
     b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
     grid = (tp // block_q, b, hq)
     kernel = functools.partial(
-        _forward_kernel_transposed if transposed else _forward_kernel, mask=mask, sm_scale=sm_scale, precision=precision,
+        _forward_kernel, mask=mask, sm_scale=sm_scale, precision=precision,
         block_q=block_q, block_k=block_k, n_k=sp // block_k,
     )
     specs = common.QueryGridSpecs(block_q, group)
@@ -162,6 +107,5 @@ def forward(
         ],
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=common.kernel_name("dm_fp8_attention_forward" + ("_t" if transposed else ""),
-                                fast_accumulation),
+        name=common.kernel_name("dm_fp8_attention_forward", fast_accumulation),
     )(*args)

@@ -71,7 +71,6 @@ def forward(q, k, v, q_ids=None, kv_ids=None, *, causal: bool, sm_scale: float,
         precision=precision, block_q=bs.block_q, block_k=bs.block_k,
         num_warps=bs.num_warps, num_stages=bs.num_stages, out_dtype=q.dtype,
         interpret=interpret, fast_accumulation=bs.fast_accumulation,
-        transposed=bs.fwd_transposed,
     )
     return jnp.swapaxes(o[:, :, :t, :dv], 1, 2), lse[:, :, :t]
 
