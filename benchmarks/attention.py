@@ -98,15 +98,21 @@ def time_step(step, sets, iters, reps, fast, max_num_imprecise_acc=None):
 
         return jax.lax.fori_loop(0, iters, body, (jnp.zeros((), F32), tuple(s[0] for s in sets)))[0]
 
-    kw = {} if max_num_imprecise_acc is None else dict(max_num_imprecise_acc=max_num_imprecise_acc)
-    with fast_fp8_accumulation(fast, **kw):
-        compiled = jax.jit(loop).lower(sets).compile()
-    compiled(sets).block_until_ready()  # warm-up
+    return run_timed(loop, sets, iters * len(sets), reps, fast, max_num_imprecise_acc)
+
+
+def run_timed(loop, arg, calls_per_run, reps, fast, max_num_imprecise_acc=None):
+    """(median, min, max) seconds per call of ``loop(arg)``, which makes ``calls_per_run``
+    calls: compiled (kernels lowered with the asked-for accumulation), one warm-up run,
+    then ``reps`` timed runs."""
+    with fast_fp8_accumulation(fast, max_num_imprecise_acc):
+        compiled = jax.jit(loop).lower(arg).compile()
+    compiled(arg).block_until_ready()  # warm-up
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        compiled(sets).block_until_ready()
-        times.append((time.perf_counter() - t0) / (iters * len(sets)))
+        compiled(arg).block_until_ready()
+        times.append((time.perf_counter() - t0) / calls_per_run)
     return statistics.median(times), min(times), max(times)
 
 

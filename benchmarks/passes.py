@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import time
 import traceback
 
@@ -31,13 +30,15 @@ from pallas_kernels.fp8_attention.common import MaskSpec
 from pallas_kernels.fp8_attention.config import default_block_sizes
 from pallas_kernels.fp8_attention.fast_accumulation import fast_fp8_accumulation
 from pallas_kernels.fp8_attention.quantize import quantize
+from benchmarks.attention import run_timed
 from tests.shapes import BENCH_MAIN
 
 F32 = jnp.float32
 
 
 def time_fn(fn, args, iters, reps, fast):
-    """Median seconds of fn(*args); every iteration perturbs (by 0) the first f32 leaf."""
+    """Median seconds of fn(*args); every iteration perturbs (by 0) the first 16- or
+    32-bit float leaf, so the loop cannot hoist the call."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     first = next(i for i, x in enumerate(leaves)
                  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 2)
@@ -54,15 +55,7 @@ def time_fn(fn, args, iters, reps, fast):
 
         return jax.lax.fori_loop(0, iters, body, (jnp.zeros((), F32), leaves))[0]
 
-    with fast_fp8_accumulation(fast):
-        compiled = jax.jit(loop).lower(leaves).compile()
-    compiled(leaves).block_until_ready()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        compiled(leaves).block_until_ready()
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    return run_timed(loop, leaves, iters, reps, fast)[0]
 
 
 def passes(case, precision, fast, interpret=False):

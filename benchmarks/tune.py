@@ -41,14 +41,13 @@ def cast_check():
 
 
 def fastacc_rowsums(max_num_imprecise_acc=None, implementation="pallas"):
-    t = 2048 if implementation == "pallas" else 256
-    case = Case("rows", 2, t, t, 16 if t > 256 else 2, 16 if t > 256 else 2, 128, 128, causal=True)
+    t, h = (2048, 16) if implementation == "pallas" else (256, 2)  # else: a CPU smoke check
+    case = Case("rows", 2, t, t, h, h, 128, 128, causal=True)
     q, k, v, do = case.arrays(seed=0)
     bs = dataclasses.replace(default_block_sizes(128, 128), fast_accumulation=True)
     cfg = AttentionConfig(True, "matched", "fp8", 128 ** -0.5, implementation, bs)
     kern = BACKENDS[implementation]
-    kw = {} if max_num_imprecise_acc is None else dict(max_num_imprecise_acc=max_num_imprecise_acc)
-    with fast_fp8_accumulation(True, **kw) as on:
+    with fast_fp8_accumulation(True, max_num_imprecise_acc) as on:
         out, lse = jax.jit(lambda q, k, v: kern.forward(q, k, v, None, None, config=cfg))(q, k, v)
         g = jax.jit(lambda *a: kern.backward(*a, None, None, config=cfg))(q, k, v, out, lse, do)
     r = jnp.abs(g.ds_rowsum_pre) / jnp.where(g.ds_abssum_pre == 0, 1.0, g.ds_abssum_pre)
@@ -59,10 +58,8 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget", type=float, default=55.0)
-    p.add_argument("--set", default="blocks", choices=("blocks", "fwd_transposed", "accumulation"),
-                   help="blocks: block sizes (and the two checks); fwd_transposed: forward on "
-                        "transposed tiles vs the default, precise and fast accumulation; "
-                        "accumulation: default vs fast vs promotion every 32 products "
+    p.add_argument("--set", default="blocks", choices=("blocks", "accumulation"),
+                   help="blocks: block sizes (and the two checks); accumulation: default vs fast vs promotion every 32 products "
                         "(max_num_imprecise_acc), fwd and fwd+bwd, with matched row sums")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the script: [1, 256, 2 heads] shapes, interpret mode")
@@ -89,14 +86,6 @@ def main(argv=None):
         ("q128_k64_w4_s3", False, BlockSizes(128, 64, 64, 64, 4, 3, 4, 2), False),
         ("bwd_q64_k128_w8", False, BlockSizes(128, 64, 64, 128, 8, 2, 8, 2), True),
     ]
-    if args.set == "fwd_transposed":
-        base = default_block_sizes(128, 128)
-        variants = []
-        for causal in (False, True):
-            for fast in (False, True):
-                for t in (False, True):
-                    bs = dataclasses.replace(base, fast_accumulation=fast, fwd_transposed=t)
-                    variants.append((f"fwd{'_t' if t else ''}{'_fastacc' if fast else ''}", causal, bs, False))
     imprecise = {}  # variant name -> max_num_imprecise_acc for the fast kernels
     if args.set == "accumulation":
         base = default_block_sizes(128, 128)
@@ -120,8 +109,7 @@ def main(argv=None):
             q, k, v, causal=c, implementation=impl, block_sizes=bs)
         row = dict(variant=name, causal=causal, block_sizes=dataclasses.asdict(bs))
         try:
-            acc = {} if name not in imprecise else dict(max_num_imprecise_acc=imprecise[name])
-            with fast_fp8_accumulation(bs.fast_accumulation, **acc):
+            with fast_fp8_accumulation(bs.fast_accumulation, imprecise.get(name)):
                 out = jax.jit(attn)(*sets[0][:3])
             key = causal if args.set == "accumulation" else (causal, bs.fast_accumulation)
             if key in reference_out:  # first variant of this (causal, fast) pair: the default

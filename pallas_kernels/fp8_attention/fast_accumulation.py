@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Optional
 
 IMPRECISE_ACC = 1 << 30  # "never promote": the fast accumulation path
 FAST_SUFFIX = "_fastacc"  # kernel-name suffix of kernels lowered with the fast path
@@ -54,19 +55,20 @@ def _lowering_module():
 
 
 @contextlib.contextmanager
-def fast_fp8_accumulation(enabled: bool = True, max_num_imprecise_acc: int = IMPRECISE_ACC):
+def fast_fp8_accumulation(enabled: bool = True, max_num_imprecise_acc: Optional[int] = None):
     """While active, Pallas-Triton dots are lowered with the fast FP8 accumulation path.
 
     ``max_num_imprecise_acc``: products accumulated in reduced precision before a
-    promotion to FP32; the default never promotes within a dot, 32 promotes after every
-    k32 wgmma instruction (still wgmma; Triton needs at least 32 for FP8 wgmma). An
-    enclosing context's value wins over an inner one's."""
+    promotion to FP32; None (``IMPRECISE_ACC``) never promotes within a dot, 32 promotes
+    after every k32 wgmma instruction (still wgmma; Triton needs at least 32 for FP8
+    wgmma). An enclosing context's value wins over an inner one's."""
     lowering = _lowering_module() if enabled else None
     if lowering is None or isinstance(lowering.tt_dialect, _DotWithFastAcc):
         yield lowering is not None
         return
     dialect = lowering.tt_dialect
-    lowering.tt_dialect = _DotWithFastAcc(dialect, max_num_imprecise_acc)
+    lowering.tt_dialect = _DotWithFastAcc(
+        dialect, IMPRECISE_ACC if max_num_imprecise_acc is None else max_num_imprecise_acc)
     try:
         yield True
     finally:
