@@ -201,15 +201,21 @@ class RunConfig:
     def save(self, run_dir: str, model_config=None) -> None:
         """Writes config.json; `model_config` (the built model's config) is stored for reading."""
         payload = {"run_config": self.to_dict(), "model_config": _jsonable(model_config)}
-        tmp = os.path.join(run_dir, "config.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-        os.replace(tmp, os.path.join(run_dir, "config.json"))
+        write_json_atomic(os.path.join(run_dir, "config.json"), payload, indent=2, sort_keys=True)
 
     @classmethod
     def load(cls, run_dir: str) -> "RunConfig":
         with open(os.path.join(run_dir, "config.json")) as f:
             return cls.from_dict(json.load(f)["run_config"])
+
+
+def write_json_atomic(path: str, payload, **dump_kwargs) -> None:
+    """``json.dump`` to ``path`` through a temporary file and a rename: a process stopped
+    while writing leaves the previous file, never half of one."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, **dump_kwargs)
+    os.replace(tmp, path)
 
 
 def _jsonable(obj):

@@ -216,12 +216,8 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
 
 
 def _write_json(path: str, payload) -> None:
-    """Atomic: a process stopped while writing leaves the previous file, never half of one."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    config_lib.write_json_atomic(path, payload, indent=1, sort_keys=True, default=str)
 
 
 def _read_json(path: str):
