@@ -28,44 +28,47 @@ import jax.numpy as jnp
 import dm_jax
 from dm_jax import reference
 from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.fast_accumulation import fast_fp8_accumulation
 from tests.shapes import BENCH_SHAPES, Case
 
 F32 = jnp.float32
 
 
 def arms(case: Case, implementation="pallas"):
-    """name -> (attention fn (q, k, v) -> out, lowering context flag)."""
+    """name -> attention fn (q, k, v) -> out. ``ours_*`` without a suffix use the default
+    block sizes (and FP8 accumulation mode); ``_precise`` / ``_promote32`` / ``_fast``
+    set the mode (pallas_kernels/fp8_attention/fp8_accumulation.py)."""
     import dataclasses
 
     bs = default_block_sizes(case.dqk, case.dv)
-    fast = dataclasses.replace(bs, fast_accumulation=True)
 
-    def ours(delta, precision, block_sizes=bs):
+    def ours(delta, precision, accumulation=None):
+        block_sizes = bs if accumulation is None else dataclasses.replace(
+            bs, fp8_accumulation=accumulation)
         return lambda q, k, v: dm_jax.attention(
             q, k, v, causal=case.causal, delta=delta, precision=precision,
             implementation=implementation, block_sizes=block_sizes)
 
     out = {
-        "ours_fp8_matched": (ours("matched", "fp8"), False),
-        "ours_fp8_do_matched": (ours("do_matched", "fp8"), False),
-        "ours_fp8_stale": (ours("stale", "fp8"), False),
-        "ours_bf16_stale": (ours("stale", "bf16"), False),
-        "ours_fp8_matched_fastacc": (ours("matched", "fp8", fast), True),
-        "ours_fp8_stale_fastacc": (ours("stale", "fp8", fast), True),
+        "ours_fp8_matched": ours("matched", "fp8"),
+        "ours_fp8_do_matched": ours("do_matched", "fp8"),
+        "ours_fp8_stale": ours("stale", "fp8"),
+        "ours_bf16_stale": ours("stale", "bf16"),
     }
+    for mode in ("precise", "promote32", "fast"):
+        out[f"ours_fp8_matched_{mode}"] = ours("matched", "fp8", mode)
+        out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode)
     try:
         from dm_jax.baselines import cudnn_fp8_attention
 
         if case.dqk == case.dv == 128:
-            out["cudnn_fp8"] = (lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=case.causal), False)
+            out["cudnn_fp8"] = lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=case.causal)
     except Exception as e:  # baseline module missing: record, keep going
         print("cudnn_fp8 arm unavailable:", e)
-    out["cudnn_bf16"] = (lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=case.causal, implementation="cudnn"), False)
+    out["cudnn_bf16"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=case.causal, implementation="cudnn")
     if case.t <= 4096:  # XLA materializes the [B, H, T, S] logits
-        out["xla_bf16"] = (lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=case.causal, implementation="xla"), False)
+        out["xla_bf16"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=case.causal, implementation="xla")
     return out
 
 
@@ -81,9 +84,8 @@ def fwdbwd_step(attn):
     return step
 
 
-def time_step(step, sets, iters, reps, fast, max_num_imprecise_acc=None):
-    """Median seconds per step (see the module docstring); ``max_num_imprecise_acc``: the
-    fast kernels' promotion interval (fast_accumulation.py), None for the fast default."""
+def time_step(step, sets, iters, reps):
+    """(median, min, max) seconds per step (see the module docstring)."""
 
     def loop(sets):
         def body(_, carry):
@@ -98,15 +100,13 @@ def time_step(step, sets, iters, reps, fast, max_num_imprecise_acc=None):
 
         return jax.lax.fori_loop(0, iters, body, (jnp.zeros((), F32), tuple(s[0] for s in sets)))[0]
 
-    return run_timed(loop, sets, iters * len(sets), reps, fast, max_num_imprecise_acc)
+    return run_timed(loop, sets, iters * len(sets), reps)
 
 
-def run_timed(loop, arg, calls_per_run, reps, fast, max_num_imprecise_acc=None):
+def run_timed(loop, arg, calls_per_run, reps):
     """(median, min, max) seconds per call of ``loop(arg)``, which makes ``calls_per_run``
-    calls: compiled (kernels lowered with the asked-for accumulation), one warm-up run,
-    then ``reps`` timed runs."""
-    with fast_fp8_accumulation(fast, max_num_imprecise_acc):
-        compiled = jax.jit(loop).lower(arg).compile()
+    calls: compiled, one warm-up run, then ``reps`` timed runs."""
+    compiled = jax.jit(loop).lower(arg).compile()
     compiled(arg).block_until_ready()  # warm-up
     times = []
     for _ in range(reps):
@@ -116,16 +116,13 @@ def run_timed(loop, arg, calls_per_run, reps, fast, max_num_imprecise_acc=None):
     return statistics.median(times), min(times), max(times)
 
 
-def memory_bytes(step, args, fast):
-    with fast_fp8_accumulation(fast):
-        ma = jax.jit(step).lower(*args).compile().memory_analysis()
+def memory_bytes(step, args):
+    ma = jax.jit(step).lower(*args).compile().memory_analysis()
     return None if ma is None else int(ma.temp_size_in_bytes + ma.output_size_in_bytes)
 
 
-def errors(attn, args, hp, fast):
-    q, k, v, do = args
-    with fast_fp8_accumulation(fast):
-        got = jax.jit(lambda q, k, v, do: (attn(q, k, v),) + fwdbwd_step(attn)(q, k, v, do))(*args)
+def errors(attn, args, hp):
+    got = jax.jit(lambda q, k, v, do: (attn(q, k, v),) + fwdbwd_step(attn)(q, k, v, do))(*args)
     rel = lambda a, b: float(jnp.linalg.norm((a.astype(F32) - b).ravel()) / jnp.linalg.norm(b.ravel()))
     return {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, hp)}
 
@@ -141,7 +138,7 @@ def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="p
     hp = jax.jit(hp_fn)(*f32_args)
     del f32_args
     rows = []
-    for name, (attn, fast) in arms(case, implementation).items():
+    for name, attn in arms(case, implementation).items():
         if only and name not in only:
             continue
         if time.time() > budget_end:
@@ -150,12 +147,12 @@ def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="p
         row = dict(case=case.name, causal=case.causal, arm=name)
         try:
             for kind, step, mult in (("fwd", fwd_step(attn), 1.0), ("fwdbwd", fwdbwd_step(attn), 3.5)):
-                med, lo, hi = time_step(step, sets, iters, reps, fast)
+                med, lo, hi = time_step(step, sets, iters, reps)
                 row[f"{kind}_ms"] = med * 1e3
                 row[f"{kind}_ms_range"] = [lo * 1e3, hi * 1e3]
                 row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
-            row["fwdbwd_mem_mib"] = (memory_bytes(fwdbwd_step(attn), sets[0], fast) or 0) / 2**20
-            row["err"] = errors(attn, sets[0], hp, fast)
+            row["fwdbwd_mem_mib"] = (memory_bytes(fwdbwd_step(attn), sets[0]) or 0) / 2**20
+            row["err"] = errors(attn, sets[0], hp)
         except Exception as e:
             traceback.print_exc()
             row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"

@@ -27,7 +27,6 @@ from dm_jax import reference
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
 from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.fast_accumulation import fast_fp8_accumulation
 from tests.shapes import DELTA_MODES, HEAD_DIMS, Case, gpu_cases
 
 FIELDS = ("out", "dq", "dk", "dv")
@@ -51,17 +50,15 @@ def row_ratio(rowsum, abssum):
     return float(jnp.max(r)), float(jnp.median(r))
 
 
-def run_case(case: Case, modes, with_reference=True, implementation="pallas", fast=False):
-    """Records (one per delta mode) for one shape (``fast``: fast FP8 accumulation)."""
-    with fast_fp8_accumulation(fast):
-        return _run_case(case, modes, with_reference, implementation, fast)
-
-
-def _run_case(case, modes, with_reference, implementation, fast):
+def run_case(case: Case, modes, with_reference=True, implementation="pallas", accumulation=None):
+    """Records (one per delta mode) for one shape; ``accumulation``: the FP8 accumulation
+    mode (None: the default block sizes' mode)."""
     q, k, v, do = case.arrays(seed=0)
     ids = case.segment_ids()
     q_ids, kv_ids = ids if ids is not None else (None, None)
-    bs = dataclasses.replace(default_block_sizes(case.dqk, case.dv), fast_accumulation=fast)
+    bs = default_block_sizes(case.dqk, case.dv)
+    if accumulation is not None:
+        bs = dataclasses.replace(bs, fp8_accumulation=accumulation)
 
     def config(mode, impl):
         return AttentionConfig(case.causal, mode, case.precision, case.dqk ** -0.5, impl, bs)
@@ -90,7 +87,7 @@ def _run_case(case, modes, with_reference, implementation, fast):
         g = bwd(q, k, v, out, lse, do, q_ids, kv_ids)
         rec = dict(case=case.name, b=case.b, t=case.t, hq=case.hq, hkv=case.hkv, dqk=case.dqk,
                    dv=case.dv, causal=case.causal, segments=case.segment_len is not None,
-                   precision=case.precision, delta=mode, fast_accumulation=fast)
+                   precision=case.precision, delta=mode, fp8_accumulation=bs.fp8_accumulation)
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
             rec[f"hp_{name}"] = fro_rel(a, b)
         rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
@@ -136,34 +133,35 @@ def main(argv=None):
     args = parser.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
-    plan = []  # (case, modes, fast accumulation)
+    plan = []  # (case, delta modes, FP8 accumulation mode or None for the default)
     if args.quick:
         plan.append((Case("smoke", 1, 300, 300, 4, 2, 64, 64, causal=True, segment_len=100),
-                     DELTA_MODES, False))
+                     DELTA_MODES, None))
     else:
         # ragged lengths, GQA, segments: the out-of-bounds and mask paths on the GPU
         plan.append((Case("T2000_d128_gqa_seg_causal", 2, 2000, 2000, 8, 2, 128, 128,
-                          causal=True, segment_len=700), DELTA_MODES, False))
+                          causal=True, segment_len=700), DELTA_MODES, None))
         for causal in (False, True):
             for c in gpu_cases(4096, causal, "matched"):
-                plan.append((c, DELTA_MODES, False))
+                plan.append((c, DELTA_MODES, None))
         bf16 = gpu_cases(4096, False, "matched", head_dims=((128, 128),), precision="bf16")[0]
-        plan.append((dataclasses.replace(bf16, name=bf16.name + "_bf16"), ("matched", "stale"), False))
+        plan.append((dataclasses.replace(bf16, name=bf16.name + "_bf16"), ("matched", "stale"), None))
         for causal in (False, True):
             plan.append((gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0],
-                         DELTA_MODES, False))
-        fast = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
-        plan.append((dataclasses.replace(fast, name=fast.name + "_fastacc"), ("matched", "stale"), True))
+                         DELTA_MODES, None))
+        other = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
+        for mode in ("precise", "promote32", "fast"):  # the default's row above repeats one
+            plan.append((dataclasses.replace(other, name=f"{other.name}_{mode}"), ("matched", "stale"), mode))
     only = [n for n in args.only.split(",") if n]
     if only:
         plan = [p for p in plan if p[0].name in only]
     records, failures = [], []
-    for case, modes, fast in plan:
+    for case, modes, accumulation in plan:
         if time.time() - start > args.budget:
             failures.append(dict(case=case.name, error="skipped: time budget"))
             continue
         try:
-            records += run_case(case, modes, implementation=args.implementation, fast=fast)
+            records += run_case(case, modes, implementation=args.implementation, accumulation=accumulation)
         except Exception as e:  # keep going: one lowering failure must not lose the run
             traceback.print_exc()
             failures.append(dict(case=case.name, error=f"{type(e).__name__}: {str(e)[:2000]}"))

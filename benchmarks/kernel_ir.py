@@ -44,7 +44,7 @@ def census(ptx: str) -> dict:
     return out
 
 
-def capture_ttir(precision="fp8", fast=False, head_dim=128, causal=False, tokens=256):
+def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=False, tokens=256):
     """{kernel name: TTIR text} of one fwd+bwd step, lowered for CUDA on this host."""
     import jax
     import jax.numpy as jnp
@@ -53,7 +53,7 @@ def capture_ttir(precision="fp8", fast=False, head_dim=128, causal=False, tokens
     from pallas_kernels.fp8_attention.config import default_block_sizes
     from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
 
-    bs = dataclasses.replace(default_block_sizes(head_dim, head_dim), fast_accumulation=fast)
+    bs = dataclasses.replace(default_block_sizes(head_dim, head_dim), fp8_accumulation=accumulation)
     q = jnp.zeros((1, tokens, 2, head_dim), jnp.bfloat16)
 
     def step(q, k, v, do):
@@ -87,10 +87,10 @@ def main(argv=None):
         return 2
     os.makedirs(args.out, exist_ok=True)
     result = {"triton": triton.__version__, "target": "sm_90", "head_dim": args.head_dim, "kernels": {}}
-    for precision, fast in (("fp8", False), ("fp8", True), ("bf16", False)):
-        modules, bs = capture_ttir(precision, fast, args.head_dim)
+    for precision, mode in (("fp8", "precise"), ("fp8", "promote32"), ("fp8", "fast"), ("bf16", "precise")):
+        modules, bs = capture_ttir(precision, mode, args.head_dim)
         for name, ttir in sorted(modules.items()):
-            tag = f"{precision}{'_fast' if fast else ''}:{name}"
+            tag = f"{precision}_{mode}:{name}"
             path = os.path.join(args.out, f"{precision}_{name}.ttir")
             with open(path, "w") as f:
                 f.write(ttir)

@@ -1,12 +1,14 @@
-"""Short GPU probes: FP8 casts on the device, fast-accumulation row sums, block sizes.
+"""GPU probes for the kernel levers: FP8 accumulation modes, block sizes per head dim.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tune.py --out $OUT --budget 55
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/tune.py --set accumulation --out $OUT
 
-1. XLA's f32 -> E4M3 cast on the GPU (numerics.quantize under jit) against ml_dtypes'
-   round-to-nearest-even cast on the host: number of differing codes.
-2. Matched pre-cast dS row sums with the fast FP8 accumulation path (lever off by default).
-3. Forward / forward+backward time of the FP8 matched kernels for a few block sizes at the
-   main benchmark shape (timing as benchmarks/attention.py).
+Sets (``--set``):
+* ``accumulation``: forward and forward+backward time of the FP8 matched kernels in each
+  accumulation mode (fp8_accumulation.py), causal and not, at the main benchmark shape;
+  then the accuracy study versus T (:func:`accuracy_vs_t`).
+* ``blocks``: block sizes, warps and stages at head dim 128 (plus the device-cast check).
+* ``heads``: the same for head dims 64, 256 and 192/128 (tiles per head dim, config.py).
+Timing as benchmarks/attention.py. Writes tune_<set>.json and prints a table last.
 """
 from __future__ import annotations
 
@@ -23,16 +25,19 @@ import ml_dtypes
 import numpy as np
 
 import dm_jax
-from dm_jax import numerics
+from dm_jax import numerics, reference
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
 from pallas_kernels.fp8_attention.config import BlockSizes, default_block_sizes
-from pallas_kernels.fp8_attention.fast_accumulation import fast_fp8_accumulation
-from tests.shapes import BENCH_MAIN, Case
+from pallas_kernels.fp8_attention.fp8_accumulation import MODES
+from tests.shapes import BENCH_SHAPES, Case
 from benchmarks.attention import fwd_step, fwdbwd_step, time_step
+
+F32 = jnp.float32
 
 
 def cast_check():
+    """XLA's f32 -> E4M3 cast on the device against ml_dtypes' round-to-nearest-even."""
     x = np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32) * 50.0
     scale = np.float32(2.0)
     got = np.asarray(jax.jit(lambda x: numerics.quantize(x, scale))(x)).view(np.uint8)
@@ -40,99 +45,161 @@ def cast_check():
     return dict(values=int(x.size), differing=int(np.sum(got != want)))
 
 
-def fastacc_rowsums(max_num_imprecise_acc=None, implementation="pallas"):
-    t, h = (2048, 16) if implementation == "pallas" else (256, 2)  # else: a CPU smoke check
-    case = Case("rows", 2, t, t, h, h, 128, 128, causal=True)
-    q, k, v, do = case.arrays(seed=0)
-    bs = dataclasses.replace(default_block_sizes(128, 128), fast_accumulation=True)
-    cfg = AttentionConfig(True, "matched", "fp8", 128 ** -0.5, implementation, bs)
+def _fro(a, b):
+    a, b = a.astype(F32), b.astype(F32)
+    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+def accuracy_vs_t(ts, implementation="pallas", heads=8):
+    """Per T and accumulation mode (causal, FP8 matched, head dim 128, unit-normal inputs):
+    relative Frobenius error of out, dQ, dK, dV against f32 attention ("hp_*") and against
+    the precise mode's kernels ("vs_precise_*": the accumulation's own error, with the FP8
+    casts equal), and the matched pre-cast dS row sums |sum_j dS_ij| / sum_j |dS_ij|."""
+    rows = []
     kern = BACKENDS[implementation]
-    with fast_fp8_accumulation(True, max_num_imprecise_acc) as on:
-        out, lse = jax.jit(lambda q, k, v: kern.forward(q, k, v, None, None, config=cfg))(q, k, v)
-        g = jax.jit(lambda *a: kern.backward(*a, None, None, config=cfg))(q, k, v, out, lse, do)
-    r = jnp.abs(g.ds_rowsum_pre) / jnp.where(g.ds_abssum_pre == 0, 1.0, g.ds_abssum_pre)
-    return dict(patched=bool(on), pre_max=float(jnp.max(r)), pre_median=float(jnp.median(r)))
+    for t in ts:
+        case = Case(f"T{t}", 1, t, t, heads, heads, 128, 128, causal=True)
+        q, k, v, do = case.arrays(seed=3)
+        hp = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o,) + vjp(do))(
+            *jax.vjp(lambda q, k, v: reference.mha_reference(q, k, v, causal=True), q, k, v)))(q, k, v, do)
+        precise = None
+        for mode in MODES:
+            bs = dataclasses.replace(default_block_sizes(128, 128), fp8_accumulation=mode)
+            cfg = AttentionConfig(True, "matched", "fp8", 128 ** -0.5, implementation, bs)
+            got = jax.jit(lambda q, k, v, do, cfg=cfg: (lambda o, lse: (o, kern.backward(
+                q, k, v, o, lse, do, None, None, config=cfg)))(
+                *kern.forward(q, k, v, None, None, config=cfg)))(q, k, v, do)
+            out, g = got
+            fields = (out, g.dq, g.dk, g.dv)
+            row = dict(t=t, mode=mode)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), fields, hp):
+                row[f"hp_{name}"] = _fro(a, b)
+            if mode == "precise":
+                precise = fields
+            else:
+                for name, a, b in zip(("out", "dq", "dk", "dv"), fields, precise):
+                    row[f"vs_precise_{name}"] = _fro(a, b)
+            r = jnp.abs(g.ds_rowsum_pre) / jnp.where(g.ds_abssum_pre == 0, 1.0, g.ds_abssum_pre)
+            row["pre_max"], row["pre_median"] = float(jnp.max(r)), float(jnp.median(r))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _head_class(dqk, dv):
+    widest = max(dqk, dv)
+    return 64 if widest <= 64 else 128 if widest <= 128 else 256
+
+
+def block_variants(dqk, dv):
+    """(name, BlockSizes) to time for one head dim: the default first."""
+    base = default_block_sizes(dqk, dv)
+    fwd = {  # (block_q, block_k, warps, stages)
+        64: [(64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
+             (128, 128, 8, 3), (64, 32, 4, 3), (64, 64, 4, 4)],
+        128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3),
+              (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)],
+        256: [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 8, 2),
+              (64, 64, 8, 3), (32, 64, 4, 2), (64, 16, 4, 3)],
+    }[_head_class(dqk, dv)]
+    bwd = {  # (bwd_block_q, bwd_block_k, warps, stages)
+        64: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
+             (64, 128, 8, 2)],
+        128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
+              (64, 64, 8, 2)],
+        256: [(64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 3),
+              (64, 64, 8, 2)],
+    }[_head_class(dqk, dv)]
+    out = [("default", base)]
+    for bq, bk, w, st in fwd:
+        out.append((f"fwd_q{bq}_k{bk}_w{w}_s{st}", dataclasses.replace(
+            base, block_q=bq, block_k=bk, num_warps=w, num_stages=st)))
+    for bq, bk, w, st in bwd:
+        out.append((f"bwd_q{bq}_k{bk}_w{w}_s{st}", dataclasses.replace(
+            base, bwd_block_q=bq, bwd_block_k=bk, bwd_num_warps=w, bwd_num_stages=st)))
+    return out
+
+
+def time_variant(case, name, bs, with_fwd, with_bwd, impl, smoke):
+    """Timing row of one BlockSizes on one case (FP8 matched)."""
+    sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
+    attn = lambda q, k, v: dm_jax.attention(  # noqa: E731
+        q, k, v, causal=case.causal, implementation=impl, block_sizes=bs)
+    row = dict(case=case.name, variant=name, causal=case.causal, block_sizes=dataclasses.asdict(bs))
+    steps = [("fwd", fwd_step(attn), 1.0)] * with_fwd + [("fwdbwd", fwdbwd_step(attn), 3.5)] * with_bwd
+    for kind, step, mult in steps:
+        med, lo, hi = time_step(step, sets, *((1, 1) if smoke else (8, 3)))
+        row[f"{kind}_ms"] = med * 1e3
+        row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
+    return row
+
+
+def plan(which, smoke, accumulation=None):
+    """(case, name, BlockSizes, time forward, time forward+backward) per timing row;
+    ``accumulation`` sets the FP8 accumulation mode of the block-size variants."""
+    shrink = (lambda c: dataclasses.replace(c, b=1, t=256, s=256, hq=2, hkv=2)) if smoke else (lambda c: c)
+    out = []
+    if which == "accumulation":
+        main = shrink(BENCH_SHAPES["main"])
+        for causal in (False, True):
+            for mode in MODES:
+                bs = dataclasses.replace(default_block_sizes(128, 128), fp8_accumulation=mode)
+                out.append((dataclasses.replace(main, causal=causal), mode, bs, True, True))
+        return out
+    names = ["main"] if which == "blocks" else ["d64", "d256", "d192_128"]
+    for shape in names:
+        case = shrink(BENCH_SHAPES[shape])
+        for name, bs in block_variants(case.dqk, case.dv):
+            if accumulation is not None:
+                bs = dataclasses.replace(bs, fp8_accumulation=accumulation)
+            fwd_only, bwd_only = name.startswith("fwd_"), name.startswith("bwd_")
+            out.append((case, name, bs, not bwd_only, not fwd_only))
+    return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--budget", type=float, default=55.0)
-    p.add_argument("--set", default="blocks", choices=("blocks", "accumulation"),
-                   help="blocks: block sizes (and the two checks); accumulation: default vs fast vs promotion every 32 products "
-                        "(max_num_imprecise_acc), fwd and fwd+bwd, with matched row sums")
+    p.add_argument("--budget", type=float, default=300.0, help="seconds; later rows skipped")
+    p.add_argument("--set", default="blocks", choices=("accumulation", "blocks", "heads"))
+    p.add_argument("--accumulation", default=None, choices=sorted(MODES),
+                   help="blocks / heads sets: FP8 accumulation mode of every variant (default: config's)")
+    p.add_argument("--ts", default="1024,4096,16384", help="accumulation set: T of the accuracy study")
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the script: [1, 256, 2 heads] shapes, interpret mode")
     args = p.parse_args(argv)
     impl = "pallas_interpret" if args.smoke else "pallas"
-    main_case = dataclasses.replace(BENCH_MAIN, b=1, t=256, s=256, hq=2, hkv=2) if args.smoke else BENCH_MAIN
     start = time.time()
-    res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "set": args.set}
-    checks = ((("cast_check", cast_check), ("fastacc_rowsums", lambda: fastacc_rowsums(None, impl)))
-              if args.set == "blocks" else ())
-    for name, fn in checks:
-        try:
-            res[name] = fn()
-        except Exception as e:
-            traceback.print_exc()
-            res[name] = f"{type(e).__name__}: {str(e)[:500]}"
-        print(name, res[name], flush=True)
-    variants = [
-        ("default", False, default_block_sizes(128, 128), True),
-        ("default", True, default_block_sizes(128, 128), True),
-        ("default_fastacc", False, dataclasses.replace(default_block_sizes(128, 128), fast_accumulation=True), True),
-        ("q128_k128_w8_s3", False, BlockSizes(128, 128, 64, 64, 8, 3, 4, 2), False),
-        ("q64_k64_w4_s3", False, BlockSizes(64, 64, 64, 64, 4, 3, 4, 2), False),
-        ("q128_k64_w4_s3", False, BlockSizes(128, 64, 64, 64, 4, 3, 4, 2), False),
-        ("bwd_q64_k128_w8", False, BlockSizes(128, 64, 64, 128, 8, 2, 8, 2), True),
-    ]
-    imprecise = {}  # variant name -> max_num_imprecise_acc for the fast kernels
-    if args.set == "accumulation":
-        base = default_block_sizes(128, 128)
-        fast = dataclasses.replace(base, fast_accumulation=True)
-        variants = []
-        for causal in (False, True):
-            variants += [("default", causal, base, True), ("fast", causal, fast, True),
-                         ("promote32", causal, fast, True)]
-        imprecise = {"promote32": 32}
-        res["rowsums"] = {name: fastacc_rowsums(imprecise.get(name), impl) for name in ("fast", "promote32")}
-        print("rowsums", res["rowsums"], flush=True)
-    res["timing"] = []
-    reference_out = {}
-    for name, causal, bs, with_bwd in variants:
+    res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "set": args.set, "timing": []}
+    if args.set == "blocks":
+        res["cast_check"] = cast_check()
+        print("cast_check", res["cast_check"], flush=True)
+    for case, name, bs, with_fwd, with_bwd in plan(args.set, args.smoke, args.accumulation):
         if time.time() - start > args.budget:
-            res["timing"].append(dict(variant=name, causal=causal, error="skipped: time budget"))
+            res["timing"].append(dict(case=case.name, variant=name, causal=case.causal, error="skipped: time budget"))
             continue
-        case = dataclasses.replace(main_case, causal=causal)
-        sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
-        attn = lambda q, k, v, bs=bs, c=causal: dm_jax.attention(  # noqa: E731
-            q, k, v, causal=c, implementation=impl, block_sizes=bs)
-        row = dict(variant=name, causal=causal, block_sizes=dataclasses.asdict(bs))
         try:
-            with fast_fp8_accumulation(bs.fast_accumulation, imprecise.get(name)):
-                out = jax.jit(attn)(*sets[0][:3])
-            key = causal if args.set == "accumulation" else (causal, bs.fast_accumulation)
-            if key in reference_out:  # first variant of this (causal, fast) pair: the default
-                ref = reference_out[key]
-                row["max_rel_vs_first"] = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-            else:
-                reference_out[key] = out.astype(jnp.float32)
-            steps = [("fwd", fwd_step(attn), 1.0)] + ([("fwdbwd", fwdbwd_step(attn), 3.5)] if with_bwd else [])
-            for kind, step, mult in steps:
-                iters, reps = (1, 1) if args.smoke else (8, 3)
-                med, lo, hi = time_step(step, sets, iters, reps, bs.fast_accumulation, imprecise.get(name))
-                row[f"{kind}_ms"] = med * 1e3
-                row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
-        except Exception as e:
+            row = time_variant(case, name, bs, with_fwd, with_bwd, impl, args.smoke)
+        except Exception as e:  # one failing variant must not lose the run
             traceback.print_exc()
-            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            row = dict(case=case.name, variant=name, causal=case.causal, error=f"{type(e).__name__}: {str(e)[:500]}")
         print(json.dumps(row), flush=True)
         res["timing"].append(row)
+    if args.set == "accumulation":
+        ts = [256] if args.smoke else [int(t) for t in args.ts.split(",")]
+        try:
+            res["accuracy_vs_t"] = accuracy_vs_t(ts, impl, heads=2 if args.smoke else 8)
+        except Exception as e:
+            traceback.print_exc()
+            res["accuracy_vs_t"] = f"{type(e).__name__}: {str(e)[:500]}"
     res["seconds"] = time.time() - start
-    with open(os.path.join(args.out, "tune.json"), "w") as f:
+    with open(os.path.join(args.out, f"tune_{args.set}.json"), "w") as f:
         json.dump(res, f, indent=1)
     for r in res["timing"]:
-        print(r["variant"], r["causal"], {k: round(v, 1) for k, v in r.items() if k.endswith(("_ms", "_tflops"))}, r.get("error", ""))
+        nums = {k: round(v, 2) for k, v in r.items() if k.endswith(("_ms", "_tflops"))}
+        print(r["case"], r["variant"], "causal" if r["causal"] else "", nums, r.get("error", ""))
+    for r in res.get("accuracy_vs_t", []) if isinstance(res.get("accuracy_vs_t"), list) else []:
+        print({k: (f"{v:.2e}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
 if __name__ == "__main__":

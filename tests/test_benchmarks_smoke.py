@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import correctness, cudnn_fp8_probe, passes
@@ -22,14 +23,14 @@ def test_correctness_script_quick(tmp_path):
     assert max(r["ref_dq"] for r in records) < 1e-5  # kernels == emulation on the CPU
 
 
-def test_passes_script_smoke(tmp_path, monkeypatch):
-    monkeypatch.setattr("sys.argv", ["passes.py", "--smoke", "--iters", "1", "--reps", "1",
-                                     "--out", str(tmp_path)])
-    passes.main()
+def test_passes_script_smoke(tmp_path):
+    passes.main(["--smoke", "--iters", "1", "--reps", "1", "--modes", "precise,fast",
+                 "--out", str(tmp_path)])
     rows = json.load(open(tmp_path / "passes.json"))["rows"]
     names = {r["name"] for r in rows if "ms" in r}
     assert not [r for r in rows if "error" in r]
     assert {"forward_kernel", "delta_matched_kernel", "dq_pass", "dkdv_pass"} <= names
+    assert {(r["precision"], r["mode"]) for r in rows} == {("fp8", "precise"), ("fp8", "fast"), ("bf16", "precise")}
 
 
 def test_cudnn_probe_recovers_the_measured_key_mapping(monkeypatch):
@@ -72,9 +73,9 @@ def test_kernel_ir_capture_and_census():
     step needs the triton package and is not run here), and the counter reads PTX."""
     from benchmarks import kernel_ir
 
-    modules, _ = kernel_ir.capture_ttir("fp8", fast=True, head_dim=64, tokens=128)
-    assert sorted(modules) == ["dm_fp8_attention_dkdv_fastacc", "dm_fp8_attention_dq_fastacc",
-                               "dm_fp8_attention_forward_fastacc", "dm_fp8_attention_matched_delta_fastacc"]
+    modules, _ = kernel_ir.capture_ttir("fp8", "fast", head_dim=64, tokens=128)
+    assert sorted(modules) == ["dm_fp8_attention_dkdv_accfast", "dm_fp8_attention_dq_accfast",
+                               "dm_fp8_attention_forward_accfast", "dm_fp8_attention_matched_delta_accfast"]
     assert all("tt.dot" in m for m in modules.values())
     ptx = ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {..};\n" * 2
            + "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {..};\nprmt.b32 %r1;\nbar.sync 0;\n")
@@ -85,11 +86,30 @@ def test_kernel_ir_capture_and_census():
 
 
 def test_tune_accumulation_set_smoke(tmp_path):
-    """`tune.py --set accumulation` (next GPU run) runs every variant and its row-sum check."""
+    """`tune.py --set accumulation` times every mode, causal and not, and runs the accuracy
+    study (interpret mode: every mode computes the same numbers, so vs_precise is 0)."""
     from benchmarks import tune
 
-    tune.main(["--smoke", "--set", "accumulation", "--budget", "600", "--out", str(tmp_path)])
-    res = json.load(open(tmp_path / "tune.json"))
-    assert [r["variant"] for r in res["timing"]] == ["default", "fast", "promote32"] * 2
-    assert all("fwdbwd_ms" in r for r in res["timing"])
-    assert all(r["pre_max"] < 1e-5 for r in res["rowsums"].values())
+    tune.main(["--smoke", "--set", "accumulation", "--out", str(tmp_path)])
+    res = json.load(open(tmp_path / "tune_accumulation.json"))
+    assert [r["variant"] for r in res["timing"]] == ["precise", "promote32", "fast"] * 2
+    assert all("fwdbwd_ms" in r and "fwd_ms" in r for r in res["timing"])
+    acc = res["accuracy_vs_t"]
+    assert [r["mode"] for r in acc] == ["precise", "promote32", "fast"]
+    assert all(r["pre_max"] < 1e-5 and r["hp_dq"] < 0.1 for r in acc)
+    assert all(r["vs_precise_dq"] == 0.0 for r in acc[1:])
+
+
+def test_tune_block_variants_are_valid():
+    """Every block-size variant the GPU sweeps would time is a valid BlockSizes that the
+    kernels accept for its head dim (no variant fails on a shape rule on the GPU)."""
+    from benchmarks import tune
+    from pallas_kernels.fp8_attention import ops
+
+    for which in ("blocks", "heads"):
+        for case, name, bs, with_fwd, with_bwd in tune.plan(which, smoke=False):
+            shape = (case.b, case.t, case.hq, case.dqk)
+            reason = ops.unsupported_reason(shape, shape[:3] + (case.dqk,), shape[:3] + (case.dv,),
+                                            jnp.bfloat16, bs)
+            assert reason is None, (case.name, name, reason)
+            assert with_fwd or with_bwd

@@ -150,30 +150,32 @@ def test_nan_propagates():
     assert np.all(np.isnan(out[0, 5])) and np.all(np.isfinite(np.delete(out[0], 5, axis=0)))
 
 
-def test_fast_accumulation_is_per_kernel_under_plain_jit():
-    """BlockSizes(fast_accumulation=True) asks for the fast FP8 path in exactly its own
-    kernels, with no context manager: lowered for the GPU (on any host), their dots carry
-    max_num_imprecise_acc (which lets Triton use wgmma on FP8) and the precise ones do not."""
+def test_fp8_accumulation_mode_is_per_kernel_under_plain_jit():
+    """BlockSizes(fp8_accumulation=...) sets each kernel's request with no context manager:
+    lowered for the GPU (on any host), the dots of "fast" kernels ask Triton for
+    max_num_imprecise_acc = 2^30 (FP8 wgmma, never promoted), those of "promote32" kernels
+    for 32 (wgmma, FP32 after every 32 products), and "precise" ones ask for nothing."""
     import dataclasses
 
-    from pallas_kernels.fp8_attention.fast_accumulation import fast_fp8_accumulation
     from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
 
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     modules = {}
-    for fast in (True, False):
-        bs = dataclasses.replace(default_block_sizes(64, 64), fast_accumulation=fast)
+    for mode in ("fast", "precise", "promote32"):
+        bs = dataclasses.replace(default_block_sizes(64, 64), fp8_accumulation=mode)
         step = lambda q, bs=bs: jax.grad(lambda q: dm_jax.attention(
             q, q, q, implementation="pallas", block_sizes=bs).astype(jnp.float32).sum())(q)
         modules.update(lower_for_cuda(step, q))
-    fast_kernels = {n: m for n, m in modules.items() if n.endswith("_fastacc")}
-    precise = {n: m for n, m in modules.items() if not n.endswith("_fastacc")}
-    assert len(fast_kernels) == len(precise) == 4  # forward, matched delta, dQ, dK/dV
-    assert all(m.count("maxNumImpreciseAcc = 1073741824") == m.count("tt.dot ") > 0 for m in fast_kernels.values())
-    assert not any("maxNumImpreciseAcc" in m for m in precise.values())
-    # an enclosing context sets the promotion interval (FP32 after every 32 products)
-    bs = dataclasses.replace(default_block_sizes(64, 64), fast_accumulation=True)
-    with fast_fp8_accumulation(True, max_num_imprecise_acc=32):
-        modules = lower_for_cuda(
-            lambda q: dm_jax.attention(q, q, q, implementation="pallas", block_sizes=bs), q)
-    assert modules["dm_fp8_attention_forward_fastacc"].count("maxNumImpreciseAcc = 32") == 2
+    by_mode = {m: {n: t for n, t in modules.items() if n.endswith(suffix)}
+               for m, suffix in (("fast", "_accfast"), ("promote32", "_accpromote32"))}
+    by_mode["precise"] = {n: t for n, t in modules.items() if "_acc" not in n}
+    assert [len(k) for k in by_mode.values()] == [4, 4, 4]  # forward, delta, dQ, dK/dV
+    for mode, want in (("fast", "1073741824"), ("promote32", "32")):
+        assert all(m.count(f"maxNumImpreciseAcc = {want} ") == m.count("tt.dot ") > 0
+                   for m in by_mode[mode].values()), mode
+    assert not any("maxNumImpreciseAcc" in m for m in by_mode["precise"].values())
+
+
+def test_fp8_accumulation_mode_is_checked():
+    with pytest.raises(ValueError, match="fp8_accumulation must be one of"):
+        BlockSizes(fp8_accumulation="fp32")

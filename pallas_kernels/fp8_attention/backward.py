@@ -134,7 +134,7 @@ def _dkdv_kernel(
 def dq_pass(
     q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
     precision: str, block_q: int, block_k: int, num_warps: int, num_stages: int,
-    interpret: bool, with_stats: bool = False, fast_accumulation: bool = False,
+    interpret: bool, with_stats: bool = False, fp8_accumulation: str = "precise",
 ):
     """dQ [B, Hq, Tp, Dqk] f32 (and, with ``with_stats``, four [B, Hq, Tp] row statistics).
 
@@ -169,7 +169,7 @@ def dq_pass(
         out_shape=out_shape,
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=common.kernel_name("dm_fp8_attention_dq", fast_accumulation),
+        name=common.kernel_name("dm_fp8_attention_dq", fp8_accumulation),
     )(*args)
     return outs[0], tuple(outs[1:])
 
@@ -177,7 +177,7 @@ def dq_pass(
 def dkdv_pass(
     q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
     precision: str, block_q: int, block_k: int, num_warps: int, num_stages: int,
-    interpret: bool, fast_accumulation: bool = False,
+    interpret: bool, fp8_accumulation: str = "precise",
 ):
     """dK [B, Hkv, Sp, Dqk], dV [B, Hkv, Sp, Dv] f32, summed over each kv head's query group.
 
@@ -233,5 +233,5 @@ def dkdv_pass(
         ],
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=common.kernel_name("dm_fp8_attention_dkdv", fast_accumulation),
+        name=common.kernel_name("dm_fp8_attention_dkdv", fp8_accumulation),
     )(*args)

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_attention import fast_accumulation as fast_acc
+from pallas_kernels.fp8_attention import fp8_accumulation
 
 F32 = jnp.float32
 
@@ -43,13 +43,13 @@ def compiler_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def kernel_name(base: str, fast_accumulation: bool) -> str:
-    """pallas_call name; kernels asking for fast FP8 accumulation get the ``_fastacc``
-    suffix, which the lowering hook of :mod:`.fast_accumulation` acts on."""
-    if not fast_accumulation:
-        return base
-    fast_acc.install()
-    return base + fast_acc.FAST_SUFFIX
+def kernel_name(base: str, accumulation: str) -> str:
+    """pallas_call name: the FP8 accumulation mode's suffix, which the lowering hook of
+    :mod:`.fp8_accumulation` acts on (the precise path has none)."""
+    suffix = fp8_accumulation.suffix(accumulation)
+    if suffix:
+        fp8_accumulation.install()
+    return base + suffix
 
 
 def dot_nt(a, b):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.fp8_attention import fp8_accumulation
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
@@ -21,15 +23,17 @@ class BlockSizes:
     num_stages: int = 2
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
-    # Hopper's FP8 tensor-core path with reduced-precision accumulation inside each tile's
-    # dot (fast_accumulation.py; private JAX API, version-guarded). The kernels get their
-    # own names, so they never share a compilation cache entry with precise ones.
-    fast_accumulation: bool = False
+    # How the FP8 dots accumulate on Hopper: "precise" (fp16 mma.sync), "promote32" or
+    # "fast" (FP8 wgmma); see fp8_accumulation.py (private JAX API, version-guarded).
+    fp8_accumulation: str = "fast"
 
     def __post_init__(self):
         # imported here: dm_jax imports the kernels, which import this module
         from dm_jax import numerics
 
+        if self.fp8_accumulation not in fp8_accumulation.MODES:
+            raise ValueError(f"fp8_accumulation must be one of {sorted(fp8_accumulation.MODES)}, "
+                             f"got {self.fp8_accumulation!r}")
         for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1) or numerics.SCALE_BLOCK % value:
@@ -39,18 +43,25 @@ class BlockSizes:
                 )
 
 
-def default_block_sizes(head_dim_qk: int, head_dim_v: int) -> BlockSizes:
-    """Tiles per head dim: smaller tiles for larger heads (register pressure).
+# Measured on the H200 (docs/benchmarks.md "Block sizes per head dim", 2026-11-29, fast
+# FP8 accumulation, [4, 4096, 16, D]): widest head dim -> forward (block_q, block_k,
+# warps, stages), backward (block_q, block_k, warps, stages). TFLOP/s against the next best
+# and the previous default in docs/benchmarks.md.
+_TUNED = (
+    (64, (64, 128, 4, 3), (64, 64, 4, 3)),
+    (128, (64, 128, 4, 3), (64, 64, 4, 2)),
+    (192, (64, 64, 4, 3), (64, 32, 4, 2)),  # MLA: Dqk 192, Dv 128
+    (256, (64, 64, 4, 3), (64, 64, 8, 2)),
+)
 
-    Head dim 128 is the one measured (H200, docs/benchmarks.md, 2026-11-29): forward
-    128 x 128 tiles, 8 warps, 3 stages gave 160 TFLOP/s against 141 for 128 x 64 / 2 stages
-    (64 x 64 / 4 warps: 139; 128 x 64 / 4 warps: 121); backward 64 x 128 tiles were slower
-    than 64 x 64 (68 against 105 TFLOP/s fwd+bwd). The other rows are unmeasured guesses.
-    """
+
+def default_block_sizes(head_dim_qk: int, head_dim_v: int) -> BlockSizes:
+    """Tiles and launch settings per head dim, from the H200 sweep in ``_TUNED`` (the row of
+    the smallest tuned head dim >= the widest of the two)."""
     widest = max(head_dim_qk, head_dim_v)
-    if widest <= 64:
-        return BlockSizes(block_q=128, block_k=64, bwd_block_q=64, bwd_block_k=64)
-    if widest <= 128:
-        return BlockSizes(block_q=128, block_k=128, bwd_block_q=64, bwd_block_k=64,
-                          num_warps=8, num_stages=3)
-    return BlockSizes(block_q=64, block_k=32, bwd_block_q=32, bwd_block_k=32, num_warps=8)
+    for limit, fwd, bwd in _TUNED:
+        if widest <= limit:
+            break
+    return BlockSizes(block_q=fwd[0], block_k=fwd[1], num_warps=fwd[2], num_stages=fwd[3],
+                      bwd_block_q=bwd[0], bwd_block_k=bwd[1], bwd_num_warps=bwd[2],
+                      bwd_num_stages=bwd[3])

@@ -75,7 +75,7 @@ def _matched_delta_kernel(
 def matched_delta(
     q, k, v, do, lse, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
     block_q: int, block_k: int, num_warps: int, num_stages: int, interpret: bool,
-    fast_accumulation: bool = False,
+    fp8_accumulation: str = "precise",
 ):
     """delta_i = sum_j P_ij dP^_ij: [B, Hq, Tp] f32.
 
@@ -106,5 +106,5 @@ def matched_delta(
         out_shape=jax.ShapeDtypeStruct((b, hq, tp), F32),
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=common.kernel_name("dm_fp8_attention_matched_delta", fast_accumulation),
+        name=common.kernel_name("dm_fp8_attention_matched_delta", fp8_accumulation),
     )(*args)

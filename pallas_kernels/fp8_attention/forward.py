@@ -70,7 +70,7 @@ def _forward_kernel(
 def forward(
     q, k, v, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float, precision: str,
     block_q: int, block_k: int, num_warps: int, num_stages: int, out_dtype, interpret: bool,
-    fast_accumulation: bool = False,
+    fp8_accumulation: str = "precise",
 ):
     """Run the forward kernel on quantized, padded operands.
 
@@ -107,5 +107,5 @@ def forward(
         ],
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=common.kernel_name("dm_fp8_attention_forward", fast_accumulation),
+        name=common.kernel_name("dm_fp8_attention_forward", fp8_accumulation),
     )(*args)

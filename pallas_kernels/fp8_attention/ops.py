@@ -70,7 +70,7 @@ def forward(q, k, v, q_ids=None, kv_ids=None, *, causal: bool, sm_scale: float,
         q8, k8, v8, q_seg, kv_seg, mask=_mask(q, k, q_ids, causal), sm_scale=sm_scale,
         precision=precision, block_q=bs.block_q, block_k=bs.block_k,
         num_warps=bs.num_warps, num_stages=bs.num_stages, out_dtype=q.dtype,
-        interpret=interpret, fast_accumulation=bs.fast_accumulation,
+        interpret=interpret, fp8_accumulation=bs.fp8_accumulation,
     )
     return jnp.swapaxes(o[:, :, :t, :dv], 1, 2), lse[:, :, :t]
 
@@ -92,7 +92,7 @@ def backward(q, k, v, o, lse, do, q_ids=None, kv_ids=None, *, causal: bool, sm_s
     common_args = dict(
         mask=mask, sm_scale=sm_scale, block_q=bs.bwd_block_q, block_k=bs.bwd_block_k,
         num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages, interpret=interpret,
-        fast_accumulation=bs.fast_accumulation,
+        fp8_accumulation=bs.fp8_accumulation,
     )
     lse_p = pad_rows(lse, tp)
     if delta == "matched":

@@ -3,7 +3,7 @@
 ``lower_for_cuda(fn, *args)`` lowers ``jax.jit(fn)`` for the CUDA platform (no GPU needed)
 and returns {kernel name: TTIR text}. Used by tests (what the kernels ask Triton for) and by
 benchmarks/kernel_ir.py (compiled further for Hopper). Private JAX API (the Pallas-Triton
-lowering function), as in :mod:`.fast_accumulation`.
+lowering function), as in :mod:`.fp8_accumulation`.
 """
 from __future__ import annotations
 
