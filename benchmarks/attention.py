@@ -138,9 +138,9 @@ def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="p
     hp = jax.jit(hp_fn)(*f32_args)
     del f32_args
     rows = []
-    for name, attn in arms(case, implementation).items():
-        if only and name not in only:
-            continue
+    available = arms(case, implementation)
+    for name in [n for n in only if n in available] if only else list(available):
+        attn = available[name]
         if time.time() > budget_end:
             rows.append(dict(case=case.name, causal=case.causal, arm=name, error="skipped: time budget"))
             continue
@@ -184,7 +184,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget", type=float, default=240.0)
-    p.add_argument("--arms", default="", help="comma-separated subset")
+    p.add_argument("--arms", default="", help="comma-separated subset, run in this order")
     p.add_argument("--causal", default="both", choices=("both", "0", "1"))
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
     p.add_argument("--smoke", action="store_true",
@@ -194,7 +194,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
-    only = set(a for a in args.arms.split(",") if a)
+    only = [a for a in args.arms.split(",") if a]  # run in this order
+    known = set(arms(BENCH_SHAPES["main"]))
+    if set(only) - known:
+        p.error(f"--arms: unknown {sorted(set(only) - known)}; choose from {sorted(known)}")
     names = [n for n in args.shapes.split(",") if n]
     unknown = [n for n in names if n not in BENCH_SHAPES]
     if unknown or not names:
