@@ -25,6 +25,11 @@ class BlockSizes:
     # dot (fast_accumulation.py; private JAX API, version-guarded). The kernels get their
     # own names, so they never share a compilation cache entry with precise ones.
     fast_accumulation: bool = False
+    # One backward kernel per key tile that also adds each tile's dQ contribution into an
+    # f32 dQ with atomic adds (fused_backward.py): S and dP^ are recomputed once instead of
+    # twice. Off by default until it is timed on the GPU; the dS row statistics
+    # (``with_stats``) always take the two-pass path.
+    fused_backward: bool = False
 
     def __post_init__(self):
         # imported here: dm_jax imports the kernels, which import this module
