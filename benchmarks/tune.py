@@ -6,7 +6,8 @@
    round-to-nearest-even cast on the host: number of differing codes.
 2. Matched pre-cast dS row sums with the fast FP8 accumulation path (lever off by default).
 3. Forward / forward+backward time of the FP8 matched kernels for a few block sizes at the
-   main benchmark shape (timing as benchmarks/attention.py).
+   main benchmark shape (timing as benchmarks/attention.py), and of the fused backward
+   (BlockSizes.fused_backward) against the default two-pass backward.
 """
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def main(argv=None):
         ("q128_k64_w4_s3", False, BlockSizes(128, 64, 64, 64, 4, 3, 4, 2), False),
         ("bwd_q64_k128_w8", False, BlockSizes(128, 64, 64, 128, 8, 2, 8, 2), True),
     ]
+    fused = dataclasses.replace(default_block_sizes(128, 128), fused_backward=True)
+    variants += [("default_fused_bwd", False, fused, True), ("default_fused_bwd", True, fused, True)]
     imprecise = {}  # variant name -> max_num_imprecise_acc for the fast kernels
     if args.set == "accumulation":
         base = default_block_sizes(128, 128)
