@@ -36,7 +36,8 @@ F32 = jnp.float32
 def arms(case: Case, implementation="pallas"):
     """name -> attention fn (q, k, v) -> out. ``ours_*`` without a suffix use the default
     block sizes (and FP8 accumulation mode); ``_precise`` / ``_promote32`` / ``_fast``
-    set the mode (pallas_kernels/fp8_attention/fp8_accumulation.py)."""
+    set the mode (pallas_kernels/fp8_attention/fp8_accumulation.py), ``_fused`` the fused
+    backward (pallas_kernels/fp8_attention/fused_backward.py)."""
     import dataclasses
 
     bs = default_block_sizes(case.dqk, case.dv)
@@ -57,6 +58,10 @@ def arms(case: Case, implementation="pallas"):
     for mode in ("precise", "promote32", "fast"):
         out[f"ours_fp8_matched_{mode}"] = ours("matched", "fp8", mode)
         out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode)
+    fused = dataclasses.replace(bs, fused_backward=True)
+    for delta in ("matched", "stale"):
+        out[f"ours_fp8_{delta}_fused"] = lambda q, k, v, d=delta: dm_jax.attention(
+            q, k, v, causal=case.causal, delta=d, implementation=implementation, block_sizes=fused)
     try:
         from dm_jax.baselines import cudnn_fp8_attention
 
@@ -64,12 +69,21 @@ def arms(case: Case, implementation="pallas"):
             out["cudnn_fp8"] = lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=case.causal)
     except Exception as e:  # baseline module missing: record, keep going
         print("cudnn_fp8 arm unavailable:", e)
-    out["cudnn_bf16"] = lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=case.causal, implementation="cudnn")
+    out["cudnn_bf16"] = lambda q, k, v: cudnn_bf16(q, k, v, case.causal)
     if case.t <= 4096:  # XLA materializes the [B, H, T, S] logits
         out["xla_bf16"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=case.causal, implementation="xla")
     return out
+
+
+def cudnn_bf16(q, k, v, causal):
+    """cuDNN bf16 attention; its JAX entry needs Dv == Dqk, so a narrower V (MLA: 192/128)
+    is zero-padded to Dqk and the output cut back (its extra work is not counted)."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        v = jnp.pad(v, [(0, 0)] * 3 + [(0, dqk - dv)])
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    return out[..., :dv]
 
 
 def fwd_step(attn):

@@ -50,15 +50,15 @@ def row_ratio(rowsum, abssum):
     return float(jnp.max(r)), float(jnp.median(r))
 
 
-def run_case(case: Case, modes, with_reference=True, implementation="pallas", accumulation=None):
-    """Records (one per delta mode) for one shape; ``accumulation``: the FP8 accumulation
-    mode (None: the default block sizes' mode)."""
+def run_case(case: Case, modes, with_reference=True, implementation="pallas", overrides=None):
+    """Records (one per delta mode) for one shape; ``overrides``: BlockSizes fields to change
+    from the defaults (e.g. the FP8 accumulation mode, the fused backward). The fused
+    backward has no dS row statistics (they need the dQ pass), so its records have none."""
     q, k, v, do = case.arrays(seed=0)
     ids = case.segment_ids()
     q_ids, kv_ids = ids if ids is not None else (None, None)
-    bs = default_block_sizes(case.dqk, case.dv)
-    if accumulation is not None:
-        bs = dataclasses.replace(bs, fp8_accumulation=accumulation)
+    bs = dataclasses.replace(default_block_sizes(case.dqk, case.dv), **(overrides or {}))
+    with_stats = not bs.fused_backward
 
     def config(mode, impl):
         return AttentionConfig(case.causal, mode, case.precision, case.dqk ** -0.5, impl, bs)
@@ -83,15 +83,17 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ac
     for mode in modes:
         t0 = time.time()
         c = config(mode, implementation)
-        bwd = jax.jit(lambda *a, c=c: kern.backward(*a, config=c))
+        bwd = jax.jit(lambda *a, c=c: kern.backward(*a, config=c, with_stats=with_stats))
         g = bwd(q, k, v, out, lse, do, q_ids, kv_ids)
         rec = dict(case=case.name, b=case.b, t=case.t, hq=case.hq, hkv=case.hkv, dqk=case.dqk,
                    dv=case.dv, causal=case.causal, segments=case.segment_len is not None,
-                   precision=case.precision, delta=mode, fp8_accumulation=bs.fp8_accumulation)
+                   precision=case.precision, delta=mode, fp8_accumulation=bs.fp8_accumulation,
+                   fused_backward=bs.fused_backward)
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
             rec[f"hp_{name}"] = fro_rel(a, b)
-        rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
-        rec["post_max"], rec["post_median"] = row_ratio(g.ds_rowsum_post, g.ds_abssum_post)
+        if with_stats:
+            rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
+            rec["post_max"], rec["post_median"] = row_ratio(g.ds_rowsum_post, g.ds_abssum_post)
         rec["finite"] = bool(all(jnp.all(jnp.isfinite(x)) for x in (out, g.dq, g.dk, g.dv)))
         if with_reference:
             rc = config(mode, "reference")
@@ -133,10 +135,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
-    plan = []  # (case, delta modes, FP8 accumulation mode or None for the default)
+    plan = []  # (case, delta modes, BlockSizes overrides or None for the defaults)
     if args.quick:
-        plan.append((Case("smoke", 1, 300, 300, 4, 2, 64, 64, causal=True, segment_len=100),
-                     DELTA_MODES, None))
+        smoke = Case("smoke", 1, 300, 300, 4, 2, 64, 64, causal=True, segment_len=100)
+        plan.append((smoke, DELTA_MODES, None))
+        plan.append((dataclasses.replace(smoke, name="smoke_fused"), ("matched",),
+                     dict(fused_backward=True)))
     else:
         # ragged lengths, GQA, segments: the out-of-bounds and mask paths on the GPU
         plan.append((Case("T2000_d128_gqa_seg_causal", 2, 2000, 2000, 8, 2, 128, 128,
@@ -151,17 +155,22 @@ def main(argv=None):
                          DELTA_MODES, None))
         other = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
         for mode in ("precise", "promote32", "fast"):  # the default's row above repeats one
-            plan.append((dataclasses.replace(other, name=f"{other.name}_{mode}"), ("matched", "stale"), mode))
+            plan.append((dataclasses.replace(other, name=f"{other.name}_{mode}"), ("matched", "stale"),
+                         dict(fp8_accumulation=mode)))
+        for causal in (False, True):  # the fused backward (atomic dQ adds) against the emulation
+            fused = gpu_cases(4096, causal, "matched", head_dims=((128, 128), (192, 128)))
+            plan += [(dataclasses.replace(c, name=c.name + "_fused"), ("matched",),
+                      dict(fused_backward=True)) for c in fused]
     only = [n for n in args.only.split(",") if n]
     if only:
         plan = [p for p in plan if p[0].name in only]
     records, failures = [], []
-    for case, modes, accumulation in plan:
+    for case, modes, overrides in plan:
         if time.time() - start > args.budget:
             failures.append(dict(case=case.name, error="skipped: time budget"))
             continue
         try:
-            records += run_case(case, modes, implementation=args.implementation, accumulation=accumulation)
+            records += run_case(case, modes, implementation=args.implementation, overrides=overrides)
         except Exception as e:  # keep going: one lowering failure must not lose the run
             traceback.print_exc()
             failures.append(dict(case=case.name, error=f"{type(e).__name__}: {str(e)[:2000]}"))

@@ -1,6 +1,7 @@
 """What our attention kernels compile to on Hopper, without a GPU: a PTX census per kernel.
 
     python benchmarks/kernel_ir.py --out /tmp/kernel_ir     # needs `pip install triton`
+    python benchmarks/kernel_ir.py --fused --head-dim 192 --head-dim-v 128 --out ...
 
 1. Lowers one forward+backward step of `dm_jax.attention` for the CUDA platform on any
    host (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``) and keeps the
@@ -10,7 +11,9 @@
    Triton, whose version may differ: read the result as what Triton does with our IR.
 3. Counts per kernel: tensor-core instructions (wgmma and mma.sync variants, with operand
    types), byte permutes (prmt), barriers, shared-memory stores and loads, FP8 conversions
-   and exp2. Writes kernel_ir.json and the IR files under --out.
+   and exp2, global atomics (atom, red: the fused backward's dQ adds) and the shared
+   memory a kernel needs (sm_90 allows 227 KiB a block). Writes kernel_ir.json and the IR
+   files under --out. ``--fused``: the backward as one fused pass (BlockSizes.fused_backward).
 """
 from __future__ import annotations
 
@@ -31,7 +34,10 @@ PATTERNS = {
     "ld.shared": r"\bld\.shared[.\w]*",
     "cvt_f8": r"\bcvt\.[.\w]*e[45]m[23][.\w]*",
     "ex2": r"\bex2\.approx[.\w]*",
+    "atom": r"\batom\.[.\w]*",
+    "red": r"\bred\.[.\w]*",
 }
+SM90_SHARED_BYTES = 227 * 1024  # the most shared memory one block may use on Hopper
 
 
 def census(ptx: str) -> dict:
@@ -44,7 +50,8 @@ def census(ptx: str) -> dict:
     return out
 
 
-def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=False, tokens=256):
+def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=False, tokens=256,
+                 head_dim_v=None, fused=False):
     """{kernel name: TTIR text} of one fwd+bwd step, lowered for CUDA on this host."""
     import jax
     import jax.numpy as jnp
@@ -53,15 +60,18 @@ def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=F
     from pallas_kernels.fp8_attention.config import default_block_sizes
     from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
 
-    bs = dataclasses.replace(default_block_sizes(head_dim, head_dim), fp8_accumulation=accumulation)
+    dv = head_dim_v or head_dim
+    bs = dataclasses.replace(default_block_sizes(head_dim, dv), fp8_accumulation=accumulation,
+                             fused_backward=fused)
     q = jnp.zeros((1, tokens, 2, head_dim), jnp.bfloat16)
+    v = jnp.zeros((1, tokens, 2, dv), jnp.bfloat16)
 
     def step(q, k, v, do):
         out, vjp = jax.vjp(lambda q, k, v: dm_jax.attention(
             q, k, v, causal=causal, precision=precision, implementation="pallas", block_sizes=bs), q, k, v)
         return vjp(do)
 
-    modules = lower_for_cuda(step, q, q, q, q)
+    modules = lower_for_cuda(step, q, q, v, v)
     return modules, bs
 
 
@@ -79,6 +89,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="kernel_ir")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--head-dim-v", type=int, default=None, help="Dv (default: --head-dim)")
+    parser.add_argument("--fused", action="store_true", help="the fused backward pass")
     args = parser.parse_args(argv)
     try:
         import triton
@@ -86,9 +98,11 @@ def main(argv=None):
         print("benchmarks/kernel_ir.py needs the triton package: pip install triton", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    result = {"triton": triton.__version__, "target": "sm_90", "head_dim": args.head_dim, "kernels": {}}
+    dv = args.head_dim_v or args.head_dim
+    result = {"triton": triton.__version__, "target": "sm_90", "head_dim": args.head_dim,
+              "head_dim_v": dv, "fused": args.fused, "kernels": {}}
     for precision, mode in (("fp8", "precise"), ("fp8", "promote32"), ("fp8", "fast"), ("bf16", "precise")):
-        modules, bs = capture_ttir(precision, mode, args.head_dim)
+        modules, bs = capture_ttir(precision, mode, args.head_dim, head_dim_v=dv, fused=args.fused)
         for name, ttir in sorted(modules.items()):
             tag = f"{precision}_{mode}:{name}"
             path = os.path.join(args.out, f"{precision}_{name}.ttir")
@@ -106,14 +120,16 @@ def main(argv=None):
                                           shared_bytes=compiled["shared_bytes"], warps=warps, stages=stages)
     with open(os.path.join(args.out, "kernel_ir.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(f"triton {triton.__version__}, sm_90, head dim {args.head_dim}")
-    print("| kernel | MMA | tensor-core instructions | prmt | bar | st.shared | ld.shared |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print(f"triton {triton.__version__}, sm_90, head dims {args.head_dim}/{dv}")
+    print("| kernel | MMA | tensor-core instructions | prmt | bar | st.shared | ld.shared | atom + red | shared KiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for tag, c in result["kernels"].items():
         tc = ", ".join(f"{n} x {k}" for k, n in {**c.get("wgmma", {}), **c.get("mma.sync", {})}.items())
         total = lambda key: sum(c.get(key, {}).values())  # noqa: E731
+        over = " (over sm_90's 227)" if c["shared_bytes"] > SM90_SHARED_BYTES else ""
         print(f"| {tag} | v{c['mma_version']} | {tc} | {total('prmt')} | {total('bar')} | "
-              f"{total('st.shared')} | {total('ld.shared')} |")
+              f"{total('st.shared')} | {total('ld.shared')} | {total('atom') + total('red')} | "
+              f"{c['shared_bytes'] / 1024:.1f}{over} |")
     return 0
 
 
