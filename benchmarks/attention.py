@@ -36,8 +36,7 @@ F32 = jnp.float32
 def arms(case: Case, implementation="pallas"):
     """name -> attention fn (q, k, v) -> out. ``ours_*`` without a suffix use the default
     block sizes (and FP8 accumulation mode); ``_precise`` / ``_promote32`` / ``_fast``
-    set the mode (pallas_kernels/fp8_attention/fp8_accumulation.py), ``_fused`` the fused
-    backward (pallas_kernels/fp8_attention/fused_backward.py)."""
+    set the mode (pallas_kernels/fp8_attention/fp8_accumulation.py)."""
     import dataclasses
 
     bs = default_block_sizes(case.dqk, case.dv)
@@ -58,10 +57,6 @@ def arms(case: Case, implementation="pallas"):
     for mode in ("precise", "promote32", "fast"):
         out[f"ours_fp8_matched_{mode}"] = ours("matched", "fp8", mode)
         out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode)
-    fused = dataclasses.replace(bs, fused_backward=True)
-    for delta in ("matched", "stale"):
-        out[f"ours_fp8_{delta}_fused"] = lambda q, k, v, d=delta: dm_jax.attention(
-            q, k, v, causal=case.causal, delta=d, implementation=implementation, block_sizes=fused)
     try:
         from dm_jax.baselines import cudnn_fp8_attention
 

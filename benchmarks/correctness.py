@@ -52,13 +52,11 @@ def row_ratio(rowsum, abssum):
 
 def run_case(case: Case, modes, with_reference=True, implementation="pallas", overrides=None):
     """Records (one per delta mode) for one shape; ``overrides``: BlockSizes fields to change
-    from the defaults (e.g. the FP8 accumulation mode, the fused backward). The fused
-    backward has no dS row statistics (they need the dQ pass), so its records have none."""
+    from the defaults (e.g. the FP8 accumulation mode)."""
     q, k, v, do = case.arrays(seed=0)
     ids = case.segment_ids()
     q_ids, kv_ids = ids if ids is not None else (None, None)
     bs = dataclasses.replace(default_block_sizes(case.dqk, case.dv), **(overrides or {}))
-    with_stats = not bs.fused_backward
 
     def config(mode, impl):
         return AttentionConfig(case.causal, mode, case.precision, case.dqk ** -0.5, impl, bs)
@@ -83,17 +81,15 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
     for mode in modes:
         t0 = time.time()
         c = config(mode, implementation)
-        bwd = jax.jit(lambda *a, c=c: kern.backward(*a, config=c, with_stats=with_stats))
+        bwd = jax.jit(lambda *a, c=c: kern.backward(*a, config=c))
         g = bwd(q, k, v, out, lse, do, q_ids, kv_ids)
         rec = dict(case=case.name, b=case.b, t=case.t, hq=case.hq, hkv=case.hkv, dqk=case.dqk,
                    dv=case.dv, causal=case.causal, segments=case.segment_len is not None,
-                   precision=case.precision, delta=mode, fp8_accumulation=bs.fp8_accumulation,
-                   fused_backward=bs.fused_backward)
+                   precision=case.precision, delta=mode, fp8_accumulation=bs.fp8_accumulation)
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
             rec[f"hp_{name}"] = fro_rel(a, b)
-        if with_stats:
-            rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
-            rec["post_max"], rec["post_median"] = row_ratio(g.ds_rowsum_post, g.ds_abssum_post)
+        rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
+        rec["post_max"], rec["post_median"] = row_ratio(g.ds_rowsum_post, g.ds_abssum_post)
         rec["finite"] = bool(all(jnp.all(jnp.isfinite(x)) for x in (out, g.dq, g.dk, g.dv)))
         if with_reference:
             rc = config(mode, "reference")
@@ -139,8 +135,6 @@ def main(argv=None):
     if args.quick:
         smoke = Case("smoke", 1, 300, 300, 4, 2, 64, 64, causal=True, segment_len=100)
         plan.append((smoke, DELTA_MODES, None))
-        plan.append((dataclasses.replace(smoke, name="smoke_fused"), ("matched",),
-                     dict(fused_backward=True)))
     else:
         # ragged lengths, GQA, segments: the out-of-bounds and mask paths on the GPU
         plan.append((Case("T2000_d128_gqa_seg_causal", 2, 2000, 2000, 8, 2, 128, 128,
@@ -157,10 +151,6 @@ def main(argv=None):
         for mode in ("precise", "promote32", "fast"):  # the default's row above repeats one
             plan.append((dataclasses.replace(other, name=f"{other.name}_{mode}"), ("matched", "stale"),
                          dict(fp8_accumulation=mode)))
-        for causal in (False, True):  # the fused backward (atomic dQ adds) against the emulation
-            fused = gpu_cases(4096, causal, "matched", head_dims=((128, 128), (192, 128)))
-            plan += [(dataclasses.replace(c, name=c.name + "_fused"), ("matched",),
-                      dict(fused_backward=True)) for c in fused]
     only = [n for n in args.only.split(",") if n]
     if only:
         plan = [p for p in plan if p[0].name in only]

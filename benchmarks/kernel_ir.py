@@ -1,7 +1,7 @@
 """What our attention kernels compile to on Hopper, without a GPU: a PTX census per kernel.
 
     python benchmarks/kernel_ir.py --out /tmp/kernel_ir     # needs `pip install triton`
-    python benchmarks/kernel_ir.py --fused --head-dim 192 --head-dim-v 128 --out ...
+    python benchmarks/kernel_ir.py --head-dim 192 --head-dim-v 128 --out ...
 
 1. Lowers one forward+backward step of `dm_jax.attention` for the CUDA platform on any
    host (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``) and keeps the
@@ -11,9 +11,8 @@
    Triton, whose version may differ: read the result as what Triton does with our IR.
 3. Counts per kernel: tensor-core instructions (wgmma and mma.sync variants, with operand
    types), byte permutes (prmt), barriers, shared-memory stores and loads, FP8 conversions
-   and exp2, global atomics (atom, red: the fused backward's dQ adds) and the shared
-   memory a kernel needs (sm_90 allows 227 KiB a block). Writes kernel_ir.json and the IR
-   files under --out. ``--fused``: the backward as one fused pass (BlockSizes.fused_backward).
+   and exp2, global atomics (atom, red) and the shared memory a kernel needs (sm_90 allows
+   227 KiB a block). Writes kernel_ir.json and the IR files under --out.
 """
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ def census(ptx: str) -> dict:
 
 
 def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=False, tokens=256,
-                 head_dim_v=None, fused=False):
+                 head_dim_v=None):
     """{kernel name: TTIR text} of one fwd+bwd step, lowered for CUDA on this host."""
     import jax
     import jax.numpy as jnp
@@ -61,8 +60,7 @@ def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=F
     from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
 
     dv = head_dim_v or head_dim
-    bs = dataclasses.replace(default_block_sizes(head_dim, dv), fp8_accumulation=accumulation,
-                             fused_backward=fused)
+    bs = dataclasses.replace(default_block_sizes(head_dim, dv), fp8_accumulation=accumulation)
     q = jnp.zeros((1, tokens, 2, head_dim), jnp.bfloat16)
     v = jnp.zeros((1, tokens, 2, dv), jnp.bfloat16)
 
@@ -90,7 +88,6 @@ def main(argv=None):
     parser.add_argument("--out", default="kernel_ir")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--head-dim-v", type=int, default=None, help="Dv (default: --head-dim)")
-    parser.add_argument("--fused", action="store_true", help="the fused backward pass")
     args = parser.parse_args(argv)
     try:
         import triton
@@ -100,9 +97,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     dv = args.head_dim_v or args.head_dim
     result = {"triton": triton.__version__, "target": "sm_90", "head_dim": args.head_dim,
-              "head_dim_v": dv, "fused": args.fused, "kernels": {}}
+              "head_dim_v": dv, "kernels": {}}
     for precision, mode in (("fp8", "precise"), ("fp8", "promote32"), ("fp8", "fast"), ("bf16", "precise")):
-        modules, bs = capture_ttir(precision, mode, args.head_dim, head_dim_v=dv, fused=args.fused)
+        modules, bs = capture_ttir(precision, mode, args.head_dim, head_dim_v=dv)
         for name, ttir in sorted(modules.items()):
             tag = f"{precision}_{mode}:{name}"
             path = os.path.join(args.out, f"{precision}_{name}.ttir")

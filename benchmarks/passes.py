@@ -4,11 +4,10 @@
 
 Passes (main benchmark shape, non-causal unless --causal 1): the quantize pre-passes of
 the forward and the backward, the forward kernel, the matched-delta kernel, the stale row
-dot, the dQ pass, the dK/dV pass and the fused backward pass (BlockSizes.fused_backward,
-which replaces the two); in FP8 (each accumulation mode of --modes) and bf16.
+dot, the dQ pass and the dK/dV pass; in FP8 (each accumulation mode of --modes) and bf16.
 Each is jitted on its own inputs and timed like benchmarks/attention.py (a fori_loop
 with a dependency between iterations, median of reps). TFLOP/s counts the pass's dots:
-forward 2, delta 2, dQ 3, dK/dV 4, fused 5 matmuls of 2 T S D FLOPs each (causal: half).
+forward 2, delta 2, dQ 3, dK/dV 4 matmuls of 2 T S D FLOPs each (causal: half).
 Writes passes.json.
 """
 from __future__ import annotations
@@ -26,7 +25,6 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_attention import backward as bk
 from pallas_kernels.fp8_attention import delta as dl
 from pallas_kernels.fp8_attention import forward as fw
-from pallas_kernels.fp8_attention import fused_backward as fb
 from pallas_kernels.fp8_attention import ops
 from pallas_kernels.fp8_attention.common import MaskSpec
 from pallas_kernels.fp8_attention.config import default_block_sizes
@@ -93,8 +91,6 @@ def passes(case, precision, accumulation, interpret=False):
                     (bq8, bk8, bv8, bdo8, lse, delta), 3),
         "dkdv_pass": (lambda *a: bk.dkdv_pass(*a, None, None, precision=precision, **kw),
                       (bq8, bk8, bv8, bdo8, lse, delta), 4),
-        "fused_pass": (lambda *a: fb.fused_pass(*a, None, None, precision=precision, **kw),
-                       (bq8, bk8, bv8, bdo8, lse, delta), 5),
     }
 
 

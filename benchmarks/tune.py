@@ -6,8 +6,7 @@ Sets (``--set``):
 * ``accumulation``: forward and forward+backward time of the FP8 matched kernels in each
   accumulation mode (fp8_accumulation.py), causal and not, at the main benchmark shape;
   then the accuracy study versus T (:func:`accuracy_vs_t`).
-* ``blocks``: block sizes, warps and stages at head dim 128, and the fused backward
-  (BlockSizes.fused_backward) against the two passes (plus the device-cast check).
+* ``blocks``: block sizes, warps and stages at head dim 128 (plus the device-cast check).
 * ``heads``: the same for head dims 64, 256 and 192/128 (tiles per head dim, config.py).
 Timing as benchmarks/attention.py. Writes tune_<set>.json and prints a table last.
 """
@@ -118,7 +117,6 @@ def block_variants(dqk, dv):
     for bq, bk, w, st in bwd:
         out.append((f"bwd_q{bq}_k{bk}_w{w}_s{st}", dataclasses.replace(
             base, bwd_block_q=bq, bwd_block_k=bk, bwd_num_warps=w, bwd_num_stages=st)))
-    out.append(("bwd_fused", dataclasses.replace(base, fused_backward=True)))
     return out
 
 

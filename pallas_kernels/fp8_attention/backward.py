@@ -9,15 +9,13 @@ so both see identical dS^ tiles and scales. Then
     dK_j  += (dS^^T Q^_i)    * (scale / s * inv_q)    (dK/dV pass, Q K-major)
     dV_j  += ((P*256)^^T dO^_i) * (inv_do / 256)      (dK/dV pass, dO K-major)
 The dK/dV pass loops over every query head of the kv head's group (GQA / MQA reduction)
-and, when causal, starts at the first query tile that sees key tile j. The fused backward
-(:mod:`.fused_backward`) runs the same key-tile loop and also adds each tile's dQ term.
+and, when causal, starts at the first query tile that sees key tile j.
 With ``with_stats`` the dQ pass also returns the dS row statistics (sum_j dS_ij and
 sum_j |dS_ij| before and after the cast) for the diagnostics.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,10 +87,8 @@ def _dkdv_kernel(
     q_ref, qt_ref, inv_q_ref, k_ref, inv_k_ref, v_ref, inv_v_ref, do_ref, dot_ref,
     inv_do_ref, lse_ref, delta_ref, *rest,
     mask: MaskSpec, sm_scale: float, precision: str, block_q: int, block_k: int, n_q: int,
-    group: int, add_dq=None,
+    group: int,
 ):
-    """``add_dq(g, rows, ds8, ds_scale)``, if given, is called with every dS^ tile (the
-    fused backward adds the tile's dQ term there)."""
     if mask.segments:
         q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
     else:
@@ -118,8 +114,6 @@ def _dkdv_kernel(
                 lse_ref[g, rows], valid, sm_scale,
             )
             _, ds8, ds_scale = _ds_tile(p, dp, delta_ref[g, rows], precision)
-            if add_dq is not None:
-                add_dq(g, rows, ds8, ds_scale)
             # dK_j += dS^^T Q^ (Q^T K-major), dV_j += (P*256)^^T dO^ (dO^T K-major)
             descale_k = (sm_scale / ds_scale) * common.tile_scalar(inv_q)
             dk = dk + common.dot_tt(ds8, qt_ref[g, :, rows]) * descale_k
@@ -180,21 +174,15 @@ def dq_pass(
     return outs[0], tuple(outs[1:])
 
 
-class KeyGridCall(NamedTuple):
-    """Operands of a pass whose grid is (key tile, batch, kv head), as the dK/dV pass's."""
+def dkdv_pass(
+    q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
+    precision: str, block_q: int, block_k: int, num_warps: int, num_stages: int,
+    interpret: bool, fp8_accumulation: str = "precise",
+):
+    """dK [B, Hkv, Sp, Dqk], dV [B, Hkv, Sp, Dv] f32, summed over each kv head's query group.
 
-    grid: tuple
-    in_specs: list
-    args: list
-    out_specs: list  # dK, dV tiles
-    out_shape: list
-    statics: dict  # keyword arguments of _dkdv_kernel
-
-
-def key_grid_call(q, k, v, do, lse, delta, q_seg, kv_seg, *, mask: MaskSpec,
-                  sm_scale: float, precision: str, block_q: int, block_k: int) -> KeyGridCall:
-    """Specs and operands of :func:`_dkdv_kernel`: key-side tensors one tile per program,
-    query-side tensors whole for the kv head's group of query heads ([G, Tp, ...])."""
+    q, do: QuantizedTensor [B, Hq, Tp, D] with ``values_t``; k, v: [B, Hkv, Sp, D].
+    """
     b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
 
     def grouped(x):  # [B, Hq, ...] -> [B, Hkv, G, ...]: the group's query heads together
@@ -227,10 +215,14 @@ def key_grid_call(q, k, v, do, lse, delta, q_seg, kv_seg, *, mask: MaskSpec,
             pl.BlockSpec((None, block_k), lambda j, bi, h: (bi, j)),
         ]
         args += [q_seg, kv_seg]
-    return KeyGridCall(
+    kernel = functools.partial(
+        _dkdv_kernel, mask=mask, sm_scale=sm_scale, precision=precision, block_q=block_q,
+        block_k=block_k, n_q=tp // block_q, group=group,
+    )
+    return pl.pallas_call(
+        kernel,
         grid=(sp // block_k, b, hkv),
         in_specs=in_specs,
-        args=args,
         out_specs=[
             pl.BlockSpec((None, None, block_k, dqk), kv_map),
             pl.BlockSpec((None, None, block_k, dv), kv_map),
@@ -239,29 +231,7 @@ def key_grid_call(q, k, v, do, lse, delta, q_seg, kv_seg, *, mask: MaskSpec,
             jax.ShapeDtypeStruct((b, hkv, sp, dqk), F32),
             jax.ShapeDtypeStruct((b, hkv, sp, dv), F32),
         ],
-        statics=dict(mask=mask, sm_scale=sm_scale, precision=precision, block_q=block_q,
-                     block_k=block_k, n_q=tp // block_q, group=group),
-    )
-
-
-def dkdv_pass(
-    q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
-    precision: str, block_q: int, block_k: int, num_warps: int, num_stages: int,
-    interpret: bool, fp8_accumulation: str = "precise",
-):
-    """dK [B, Hkv, Sp, Dqk], dV [B, Hkv, Sp, Dv] f32, summed over each kv head's query group.
-
-    q, do: QuantizedTensor [B, Hq, Tp, D] with ``values_t``; k, v: [B, Hkv, Sp, D].
-    """
-    call = key_grid_call(q, k, v, do, lse, delta, q_seg, kv_seg, mask=mask, sm_scale=sm_scale,
-                         precision=precision, block_q=block_q, block_k=block_k)
-    return pl.pallas_call(
-        functools.partial(_dkdv_kernel, **call.statics),
-        grid=call.grid,
-        in_specs=call.in_specs,
-        out_specs=call.out_specs,
-        out_shape=call.out_shape,
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=common.kernel_name("dm_fp8_attention_dkdv", fp8_accumulation),
-    )(*call.args)
+    )(*args)

@@ -26,11 +26,6 @@ class BlockSizes:
     # How the FP8 dots accumulate on Hopper: "precise" (fp16 mma.sync), "promote32" or
     # "fast" (FP8 wgmma); see fp8_accumulation.py (private JAX API, version-guarded).
     fp8_accumulation: str = "fast"
-    # One backward kernel per key tile that also adds each tile's dQ contribution into an
-    # f32 dQ with atomic adds (fused_backward.py): S and dP^ are recomputed once instead of
-    # twice. Off by default until it is timed on the GPU; the dS row statistics
-    # (``with_stats``) always take the two-pass path.
-    fused_backward: bool = False
 
     def __post_init__(self):
         # imported here: dm_jax imports the kernels, which import this module

@@ -13,7 +13,6 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_attention import backward as bwd_kernels
 from pallas_kernels.fp8_attention import delta as delta_kernels
 from pallas_kernels.fp8_attention import forward as fwd_kernels
-from pallas_kernels.fp8_attention import fused_backward
 from pallas_kernels.fp8_attention.common import MaskSpec
 from pallas_kernels.fp8_attention.config import BlockSizes
 from pallas_kernels.fp8_attention.quantize import (
@@ -79,11 +78,7 @@ def forward(q, k, v, q_ids=None, kv_ids=None, *, causal: bool, sm_scale: float,
 def backward(q, k, v, o, lse, do, q_ids=None, kv_ids=None, *, causal: bool, sm_scale: float,
              precision: str, delta: str, block_sizes: BlockSizes, interpret: bool,
              with_stats: bool = False) -> Gradients:
-    """Flash backward with recomputed P; see :mod:`.backward` for the equations.
-
-    ``block_sizes.fused_backward`` without ``with_stats``: one fused pass for dQ, dK, dV
-    (:mod:`.fused_backward`) after the delta, instead of the dQ and the dK/dV passes.
-    """
+    """Flash backward with recomputed P; see :mod:`.backward` for the equations."""
     t, s = q.shape[1], k.shape[1]
     dqk, dv_dim = q.shape[3], v.shape[3]
     q8 = quantize(q, precision, k_major=True)
@@ -104,13 +99,13 @@ def backward(q, k, v, o, lse, do, q_ids=None, kv_ids=None, *, causal: bool, sm_s
         delta_p = delta_kernels.matched_delta(q8, k8, v8, do8, lse_p, q_seg, kv_seg, **common_args)
     else:
         delta_p = delta_kernels.row_dot_delta(delta, do, o, do8, tp)
-    operands = (q8, k8, v8, do8, lse_p, delta_p, q_seg, kv_seg)
-    if bs.fused_backward and not with_stats:
-        dq, dk, dv = fused_backward.fused_pass(*operands, precision=precision, **common_args)
-    else:  # the dQ pass also forms the dS row statistics
-        dq, stats = bwd_kernels.dq_pass(*operands, precision=precision, with_stats=with_stats,
-                                        **common_args)
-        dk, dv = bwd_kernels.dkdv_pass(*operands, precision=precision, **common_args)
+    dq, stats = bwd_kernels.dq_pass(
+        q8, k8, v8, do8, lse_p, delta_p, q_seg, kv_seg, precision=precision,
+        with_stats=with_stats, **common_args,
+    )
+    dk, dv = bwd_kernels.dkdv_pass(
+        q8, k8, v8, do8, lse_p, delta_p, q_seg, kv_seg, precision=precision, **common_args,
+    )
 
     def public(x, n, d, dtype):  # [B, H, Np, Dp] -> [B, N, H, D]
         return jnp.swapaxes(x[:, :, :n, :d], 1, 2).astype(dtype)
