@@ -1,7 +1,8 @@
 """FP8 formats and scale rules: the single definition both kernels and reference use.
 
 Contract (DESIGN.md section 3):
-  * every FP8 operand is ``float8_e4m3fn``; accumulation is FP32;
+  * every FP8 operand is ``float8_e4m3fn``; accumulators are FP32 (on Hopper the kernels'
+    default sums one tile's products in the FP8 tensor core first: docs/numerics.md);
   * scales are powers of two, ``scale = 2^floor(log2(448 / amax))``, ``amax == 0 -> 1``,
     so ``x * scale`` never exceeds 448 and decoding (``x8 / scale``) is exact;
   * values are clipped to +-448 before every cast (the GPU saturates, interpret mode and
