@@ -180,3 +180,21 @@ def test_fp8_accumulation_mode_is_per_kernel_under_plain_jit():
 def test_fp8_accumulation_mode_is_checked():
     with pytest.raises(ValueError, match="fp8_accumulation must be one of"):
         BlockSizes(fp8_accumulation="fp32")
+
+def test_fp8_accumulation_falls_back_where_the_private_api_is_missing(monkeypatch):
+    """Where jax's private Pallas-Triton lowering is not as expected, asking for wgmma
+    accumulation warns (once) and lowers every dot without the request: the precise path."""
+    from pallas_kernels.fp8_attention import fp8_accumulation
+    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+
+    monkeypatch.setattr(fp8_accumulation, "_lowering_module", lambda: None)
+    monkeypatch.setattr(fp8_accumulation, "_warned", [])
+    with pytest.warns(RuntimeWarning, match="precise path"):
+        assert fp8_accumulation.install() is False
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    bs = dataclasses.replace(default_block_sizes(64, 64), fp8_accumulation="fast")
+    with fp8_accumulation._dots_accumulate(fp8_accumulation.NEVER_PROMOTE) as active:
+        assert active is False
+        modules = lower_for_cuda(lambda q: dm_jax.attention(
+            q, q, q, implementation="pallas", block_sizes=bs), q)
+    assert modules and not any("maxNumImpreciseAcc" in m for m in modules.values())
