@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 import dm_jax
-from dm_jax import reference
 from pallas_kernels.fp8_attention.config import default_block_sizes
+from benchmarks.correctness import f32_out_and_grads, fro_rel
 from tests.shapes import BENCH_SHAPES, Case
 
 F32 = jnp.float32
@@ -132,20 +132,12 @@ def memory_bytes(step, args):
 
 def errors(attn, args, hp):
     got = jax.jit(lambda q, k, v, do: (attn(q, k, v),) + fwdbwd_step(attn)(q, k, v, do))(*args)
-    rel = lambda a, b: float(jnp.linalg.norm((a.astype(F32) - b).ravel()) / jnp.linalg.norm(b.ravel()))
-    return {n: rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, hp)}
+    return {n: fro_rel(a, b) for n, a, b in zip(("out", "dq", "dk", "dv"), got, hp)}
 
 
 def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="pallas"):
     sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
-    f32_args = [x.astype(F32) for x in sets[0]]
-
-    def hp_fn(q, k, v, do):
-        o, vjp = jax.vjp(lambda q, k, v: reference.mha_reference(q, k, v, causal=case.causal), q, k, v)
-        return (o,) + vjp(do)
-
-    hp = jax.jit(hp_fn)(*f32_args)
-    del f32_args
+    hp = f32_out_and_grads(*[x.astype(F32) for x in sets[0]], case.causal)
     rows = []
     available = arms(case, implementation)
     for name in [n for n in only if n in available] if only else list(available):

@@ -45,6 +45,19 @@ def fro_rel(a, b):
     return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
+def f32_out_and_grads(q, k, v, do, causal, segment_ids=None):
+    """(out, dq, dk, dv) of f32 attention (``mha_reference``) and its VJP under ``do``."""
+
+    def run(q, k, v, do):
+        def f(q, k, v):
+            return reference.mha_reference(q, k, v, causal=causal, segment_ids=segment_ids)
+
+        o, vjp = jax.vjp(f, q, k, v)
+        return (o,) + vjp(do)
+
+    return jax.jit(run)(q, k, v, do)
+
+
 def row_ratio(rowsum, abssum):
     r = jnp.abs(rowsum) / jnp.where(abssum == 0, 1.0, abssum)
     return float(jnp.max(r)), float(jnp.median(r))
@@ -66,14 +79,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
                   static_argnums=5)
     out, lse = fwd(q, k, v, q_ids, kv_ids, config(modes[0], implementation))
 
-    def hp_fn(q, k, v, do):
-        def f(q, k, v):
-            return reference.mha_reference(q, k, v, causal=case.causal, segment_ids=ids)
-
-        o, vjp = jax.vjp(f, q, k, v)
-        return (o,) + vjp(do)
-
-    hp = jax.jit(hp_fn)(q, k, v, do)
+    hp = f32_out_and_grads(q, k, v, do, case.causal, ids)
     if with_reference:
         r_out, r_lse = jax.jit(lambda q, k, v, qi, ki, c: ref.forward(q, k, v, qi, ki, config=c),
                                static_argnums=5)(q, k, v, q_ids, kv_ids, config(modes[0], "reference"))

@@ -25,15 +25,15 @@ import ml_dtypes
 import numpy as np
 
 import dm_jax
-from dm_jax import numerics, reference
+from dm_jax import numerics
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
-from pallas_kernels.fp8_attention.config import BlockSizes, default_block_sizes
+from pallas_kernels.fp8_attention.config import default_block_sizes
 from pallas_kernels.fp8_attention.fp8_accumulation import MODES
 from tests.shapes import BENCH_SHAPES, Case
 from benchmarks.attention import fwd_step, fwdbwd_step, time_step
+from benchmarks.correctness import f32_out_and_grads, fro_rel, row_ratio
 
-F32 = jnp.float32
 
 
 def cast_check():
@@ -43,11 +43,6 @@ def cast_check():
     got = np.asarray(jax.jit(lambda x: numerics.quantize(x, scale))(x)).view(np.uint8)
     want = np.clip(x * scale, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
     return dict(values=int(x.size), differing=int(np.sum(got != want)))
-
-
-def _fro(a, b):
-    a, b = a.astype(F32), b.astype(F32)
-    return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
 def accuracy_vs_t(ts, implementation="pallas", heads=8):
@@ -60,8 +55,7 @@ def accuracy_vs_t(ts, implementation="pallas", heads=8):
     for t in ts:
         case = Case(f"T{t}", 1, t, t, heads, heads, 128, 128, causal=True)
         q, k, v, do = case.arrays(seed=3)
-        hp = jax.jit(lambda q, k, v, do: (lambda o, vjp: (o,) + vjp(do))(
-            *jax.vjp(lambda q, k, v: reference.mha_reference(q, k, v, causal=True), q, k, v)))(q, k, v, do)
+        hp = f32_out_and_grads(q, k, v, do, causal=True)
         precise = None
         for mode in MODES:
             bs = dataclasses.replace(default_block_sizes(128, 128), fp8_accumulation=mode)
@@ -73,14 +67,13 @@ def accuracy_vs_t(ts, implementation="pallas", heads=8):
             fields = (out, g.dq, g.dk, g.dv)
             row = dict(t=t, mode=mode)
             for name, a, b in zip(("out", "dq", "dk", "dv"), fields, hp):
-                row[f"hp_{name}"] = _fro(a, b)
+                row[f"hp_{name}"] = fro_rel(a, b)
             if mode == "precise":
                 precise = fields
             else:
                 for name, a, b in zip(("out", "dq", "dk", "dv"), fields, precise):
-                    row[f"vs_precise_{name}"] = _fro(a, b)
-            r = jnp.abs(g.ds_rowsum_pre) / jnp.where(g.ds_abssum_pre == 0, 1.0, g.ds_abssum_pre)
-            row["pre_max"], row["pre_median"] = float(jnp.max(r)), float(jnp.median(r))
+                    row[f"vs_precise_{name}"] = fro_rel(a, b)
+            row["pre_max"], row["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
             print(json.dumps(row), flush=True)
             rows.append(row)
     return rows
