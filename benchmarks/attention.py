@@ -112,6 +112,22 @@ def time_step(step, sets, iters, reps):
     return run_timed(loop, sets, iters * len(sets), reps)
 
 
+# step kind -> (step from an attention fn, FLOPs as a multiple of the forward's)
+STEPS = {"fwd": (fwd_step, 1.0), "fwdbwd": (fwdbwd_step, 3.5)}
+
+
+def timing(attn, case: Case, sets, iters, reps, kinds=tuple(STEPS)):
+    """{kind}_ms, {kind}_ms_range and {kind}_tflops of ``attn`` on ``case`` for each kind."""
+    row = {}
+    for kind in kinds:
+        make_step, mult = STEPS[kind]
+        med, lo, hi = time_step(make_step(attn), sets, iters, reps)
+        row[f"{kind}_ms"] = med * 1e3
+        row[f"{kind}_ms_range"] = [lo * 1e3, hi * 1e3]
+        row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
+    return row
+
+
 def run_timed(loop, arg, calls_per_run, reps):
     """(median, min, max) seconds per call of ``loop(arg)``, which makes ``calls_per_run``
     calls: compiled, one warm-up run, then ``reps`` timed runs."""
@@ -147,11 +163,7 @@ def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="p
             continue
         row = dict(case=case.name, causal=case.causal, arm=name)
         try:
-            for kind, step, mult in (("fwd", fwd_step(attn), 1.0), ("fwdbwd", fwdbwd_step(attn), 3.5)):
-                med, lo, hi = time_step(step, sets, iters, reps)
-                row[f"{kind}_ms"] = med * 1e3
-                row[f"{kind}_ms_range"] = [lo * 1e3, hi * 1e3]
-                row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
+            row.update(timing(attn, case, sets, iters, reps))
             row["fwdbwd_mem_mib"] = (memory_bytes(fwdbwd_step(attn), sets[0]) or 0) / 2**20
             row["err"] = errors(attn, sets[0], hp)
         except Exception as e:
@@ -209,9 +221,7 @@ def main(argv=None):
             case = dataclasses.replace(BENCH_SHAPES[name], causal=causal)
             impl = "pallas"
             if args.smoke:
-                hkv = 2 if case.hkv == case.hq else 1  # keep GQA shapes grouped
-                case = dataclasses.replace(case, b=1, t=256, s=256, hq=2, hkv=hkv)
-                impl = "pallas_interpret"
+                case, impl = case.shrunk(), "pallas_interpret"
             rows += bench_case(case, args.iters, args.reps, start + args.budget, only, impl)
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows,
                 seconds=time.time() - start, argv=sys.argv)

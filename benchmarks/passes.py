@@ -108,7 +108,7 @@ def main(argv=None):
     start = time.time()
     case = dataclasses.replace(BENCH_MAIN, causal=bool(args.causal))
     if args.smoke:
-        case = dataclasses.replace(case, b=1, t=256, s=256, hq=2, hkv=2)
+        case = case.shrunk()
     one_matmul = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if case.causal else 1.0)
     rows = []
     runs = [("fp8", m) for m in args.modes.split(",") if m] + [("bf16", "precise")]

@@ -31,7 +31,7 @@ from dm_jax.backends import BACKENDS
 from pallas_kernels.fp8_attention.config import default_block_sizes
 from pallas_kernels.fp8_attention.fp8_accumulation import MODES
 from tests.shapes import BENCH_SHAPES, Case
-from benchmarks.attention import fwd_step, fwdbwd_step, time_step
+from benchmarks.attention import timing
 from benchmarks.correctness import f32_out_and_grads, fro_rel, row_ratio
 
 
@@ -119,18 +119,15 @@ def time_variant(case, name, bs, with_fwd, with_bwd, impl, smoke):
     attn = lambda q, k, v: dm_jax.attention(  # noqa: E731
         q, k, v, causal=case.causal, implementation=impl, block_sizes=bs)
     row = dict(case=case.name, variant=name, causal=case.causal, block_sizes=dataclasses.asdict(bs))
-    steps = [("fwd", fwd_step(attn), 1.0)] * with_fwd + [("fwdbwd", fwdbwd_step(attn), 3.5)] * with_bwd
-    for kind, step, mult in steps:
-        med, lo, hi = time_step(step, sets, *((1, 1) if smoke else (8, 3)))
-        row[f"{kind}_ms"] = med * 1e3
-        row[f"{kind}_tflops"] = mult * case.flops_fwd / med / 1e12
+    kinds = ("fwd",) * with_fwd + ("fwdbwd",) * with_bwd
+    row.update(timing(attn, case, sets, *((1, 1) if smoke else (8, 3)), kinds=kinds))
     return row
 
 
 def plan(which, smoke, accumulation=None):
     """(case, name, BlockSizes, time forward, time forward+backward) per timing row;
     ``accumulation`` sets the FP8 accumulation mode of the block-size variants."""
-    shrink = (lambda c: dataclasses.replace(c, b=1, t=256, s=256, hq=2, hkv=2)) if smoke else (lambda c: c)
+    shrink = (lambda c: c.shrunk()) if smoke else (lambda c: c)
     out = []
     if which == "accumulation":
         main = shrink(BENCH_SHAPES["main"])

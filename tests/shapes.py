@@ -51,6 +51,11 @@ class Case:
 
         return ids(self.t), ids(self.s)
 
+    def shrunk(self):
+        """The same problem at [1, 256 tokens, 2 query heads] (GQA stays grouped): the size
+        at which the GPU scripts' --smoke modes run on a CPU."""
+        return dataclasses.replace(self, b=1, t=256, s=256, hq=2, hkv=2 if self.hkv == self.hq else 1)
+
     @property
     def flops_fwd(self):
         """Forward FLOPs of the two matmuls (causal halves them)."""
