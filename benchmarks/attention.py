@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 import dm_jax
 from pallas_kernels.fp8_attention.config import default_block_sizes
+from pallas_kernels.fp8_attention.fp8_accumulation import MODES
 from benchmarks.correctness import f32_out_and_grads, fro_rel
 from tests.shapes import BENCH_SHAPES, Case
 
@@ -54,7 +55,7 @@ def arms(case: Case, implementation="pallas"):
         "ours_fp8_stale": ours("stale", "fp8"),
         "ours_bf16_stale": ours("stale", "bf16"),
     }
-    for mode in ("precise", "promote32", "fast"):
+    for mode in MODES:
         out[f"ours_fp8_matched_{mode}"] = ours("matched", "fp8", mode)
         out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode)
     try:

@@ -27,6 +27,7 @@ from dm_jax import reference
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
 from pallas_kernels.fp8_attention.config import default_block_sizes
+from pallas_kernels.fp8_attention.fp8_accumulation import MODES
 from tests.shapes import DELTA_MODES, HEAD_DIMS, Case, gpu_cases
 
 FIELDS = ("out", "dq", "dk", "dv")
@@ -154,7 +155,7 @@ def main(argv=None):
             plan.append((gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0],
                          DELTA_MODES, None))
         other = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
-        for mode in ("precise", "promote32", "fast"):  # the default's row above repeats one
+        for mode in MODES:  # the default's row above repeats one
             plan.append((dataclasses.replace(other, name=f"{other.name}_{mode}"), ("matched", "stale"),
                          dict(fp8_accumulation=mode)))
     only = [n for n in args.only.split(",") if n]
