@@ -140,6 +140,13 @@ def main(argv=None):
                 print(json.dumps(row), flush=True)
                 result["speed"].append(row)
             if name == "main":
+                row = dict(case=name, causal=causal, arm="quantize_q_k_v")
+                quantize_all = lambda q, k, v, do: (quantize(q).values, quantize(k).values,  # noqa: E731
+                                                    quantize(v, values=False, k_major=True).values_t)
+                med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
+                row.update(ms=med * 1e3, tflops=0.0)
+                print(json.dumps(row), flush=True)
+                result["speed"].append(row)
                 for stages in (2, 3):
                     row = dict(case=name, causal=causal, arm=f"mosaic_kernel_stages{stages}")
                     try:

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 
 from dm_jax import numerics
-from pallas_kernels.fp8_attention.mosaic_gpu import regroup
 
 BLOCK = numerics.SCALE_BLOCK
 ROWS = 64  # query rows per consumer warpgroup
@@ -37,16 +36,27 @@ def padded_length(n: int) -> int:
 
 
 def quantize(x_BTHD, *, values: bool = True, k_major: bool = False) -> MosaicOperand:
-    """Cast ``x`` [B, T, H, D] to e4m3 with per-(batch, head, 128-token) scales."""
+    """Cast ``x`` [B, T, H, D] to e4m3 with per-(batch, head, 128-token) scales.
+
+    The amax and the cast run in the input's own layout (contiguous reads); only the
+    one-byte result is transposed. Bitwise the same values and scales as
+    ``numerics.quantize_tokens`` on the [B, H, T, D] view.
+    """
     b, t, h, d = x_BTHD.shape
     tp = padded_length(t)
-    x = jnp.pad(jnp.swapaxes(x_BTHD, 1, 2), ((0, 0), (0, 0), (0, tp - t), (0, 0)))
-    x8, scales = numerics.quantize_tokens(x, "fp8")  # scales [B, H, Tp / 128]
-    inv = 1.0 / scales
+    n = tp // BLOCK
+    x = jnp.pad(x_BTHD, ((0, 0), (0, tp - t), (0, 0), (0, 0))).reshape(b, n, BLOCK, h, d)
+    scales = numerics.pow2_scale(numerics.finite_amax(x, axis=(2, 4)))  # [B, n, H]
+    x8 = numerics.quantize(x, scales[:, :, None, :, None])  # [B, n, 128, H, D]
+    inv = jnp.swapaxes(1.0 / scales, 1, 2)  # [B, H, n]
     inv_tokens = jnp.repeat(inv, BLOCK, axis=-1)
     inv_rows = jnp.broadcast_to(inv[..., None], inv.shape + (ROWS,))
-    values_t = regroup.permute_tokens(jnp.swapaxes(x8, 2, 3)) if k_major else None
-    return MosaicOperand(x8 if values else None, values_t, inv_tokens, inv_rows)
+    out = jnp.transpose(x8, (0, 3, 1, 2, 4)).reshape(b, h, tp, d) if values else None
+    values_t = None
+    if k_major:  # [B, Tp/16, (h, t, e), H, D] -> [B, H, D, Tp/16, (t, h, e)]: regroup's order
+        y = x8.reshape(b, tp // 16, 2, 4, 2, h, d)
+        values_t = jnp.transpose(y, (0, 5, 6, 1, 3, 2, 4)).reshape(b, h, d, tp)
+    return MosaicOperand(out, values_t, inv_tokens, inv_rows)
 
 
 def pad_segment_ids(ids_BT, tp: int, fill: int):
