@@ -29,7 +29,7 @@ from benchmarks.attention import cudnn_bf16, time_step
 from dm_jax import reference
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu import ops
-from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize
+from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize, quantize_in_input_layout
 from tests.shapes import BENCH_SHAPES, Case
 
 CHECKS = (
@@ -143,6 +143,14 @@ def main(argv=None):
                 row = dict(case=name, causal=causal, arm="quantize_q_k_v")
                 quantize_all = lambda q, k, v, do: (quantize(q).values, quantize(k).values,  # noqa: E731
                                                     quantize(v, values=False, k_major=True).values_t)
+                med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
+                row.update(ms=med * 1e3, tflops=0.0)
+                print(json.dumps(row), flush=True)
+                result["speed"].append(row)
+                row = dict(case=name, causal=causal, arm="quantize_q_k_v_input_layout")
+                qil = quantize_in_input_layout
+                quantize_all = lambda q, k, v, do: (qil(q).values, qil(k).values,  # noqa: E731
+                                                    qil(v, values=False, k_major=True).values_t)
                 med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
                 row.update(ms=med * 1e3, tflops=0.0)
                 print(json.dumps(row), flush=True)

@@ -88,7 +88,8 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
         each repeated over 64 rows.
       q_seg [B, Tp], kv_seg [B, Sp]: int32 segment ids (only when ``mask.segments``).
     Returns:
-      o [B, Hq, Tp, Dv] in ``out_dtype``, lse [B, Hq, Tp] f32 (natural log).
+      o [B, Tp, Hq, Dv] in ``out_dtype`` (the public layout: no transpose after the kernel),
+      lse [B, Hq, Tp] f32 (natural log).
     """
     b, hq, tp, dqk = q8.shape
     hkv, sp = k8.shape[1], k8.shape[2]
@@ -237,7 +238,7 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
             log_l = jnp.log(jnp.where(empty, 1.0, l)) * (1.0 / LN2)
             lse_smem[...] = jnp.where(empty, jnp.inf, (m + log_l - P_EXPONENT) * LN2)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, head, rows])
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, rows, head])  # [B, Tp, Hq, Dv]
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, rows])
             plgpu.wait_smem_to_gmem(0)
 
@@ -304,7 +305,7 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
         args += [q_seg, kv_seg]
     o, lse = plgpu.kernel(
         dm_fp8_attention_forward_mosaic,
-        out_type=[jax.ShapeDtypeStruct((b, hq, tp, dv), out_dtype),
+        out_type=[jax.ShapeDtypeStruct((b, tp, hq, dv), out_dtype),
                   jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)],
         grid=(hq, tp // block_q, b),
         grid_names=("heads", "q_seq", "batch"),

@@ -28,4 +28,4 @@ def forward(q, k, v, q_ids=None, kv_ids=None, *, causal: bool, sm_scale: float,
         q8.values, q8.inv_tokens, k8.values, v8.values_t, kv_inv, q_seg, kv_seg, mask=mask,
         sm_scale=sm_scale, stages=stages, out_dtype=out_dtype, interpret=interpret,
     )
-    return jnp.swapaxes(o[:, :, :t], 1, 2).astype(q.dtype), lse[:, :, :t]
+    return o[:, :t].astype(q.dtype), lse[:, :, :t]
