@@ -29,6 +29,7 @@ from benchmarks.attention import cudnn_bf16, time_step
 from dm_jax import reference
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu import ops
+from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize, quantize_in_input_layout
 from tests.shapes import BENCH_SHAPES, Case
 
@@ -71,11 +72,13 @@ def check(case: Case):
 def speed_arms(case: Case):
     sm = case.dqk ** -0.5
 
-    def mosaic(q, k, v):
-        return ops.forward(q, k, v, causal=case.causal, sm_scale=sm)[0]
+    def mosaic(fused):
+        config = MosaicConfig(fused_quantize=fused)
+        return lambda q, k, v: ops.forward(q, k, v, causal=case.causal, sm_scale=sm, config=config)[0]
 
     arms = {
-        "mosaic_e2e": mosaic,
+        "mosaic_e2e": mosaic(True),
+        "mosaic_e2e_xla_quantize": mosaic(False),
         "triton_e2e": lambda q, k, v: dm_jax.attention(q, k, v, causal=case.causal, implementation="pallas"),
         "cudnn_bf16": lambda q, k, v: cudnn_bf16(q, k, v, case.causal),
     }
@@ -128,7 +131,7 @@ def main(argv=None):
             case = dataclasses.replace(BENCH_SHAPES[name], causal=causal)
             sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
             arms = speed_arms(case) if name == "main" else {
-                k: v for k, v in speed_arms(case).items() if k in ("mosaic_e2e", "cudnn_bf16")}
+                k: v for k, v in speed_arms(case).items() if k in ("mosaic_e2e", "triton_e2e", "cudnn_bf16")}
             for arm, fn in arms.items():
                 row = dict(case=name, causal=causal, arm=arm)
                 try:
@@ -143,6 +146,14 @@ def main(argv=None):
                 row = dict(case=name, causal=causal, arm="quantize_q_k_v")
                 quantize_all = lambda q, k, v, do: (quantize(q).values, quantize(k).values,  # noqa: E731
                                                     quantize(v, values=False, k_major=True).values_t)
+                med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
+                row.update(ms=med * 1e3, tflops=0.0)
+                print(json.dumps(row), flush=True)
+                result["speed"].append(row)
+                row = dict(case=name, causal=causal, arm="quantize_q_k_v_fused_kernel")
+                quantize_all = lambda q, k, v, do: tuple(  # noqa: E731
+                    x.values if x.values is not None else x.values_t
+                    for x in ops.quantize_operands(q, k, v, MosaicConfig()))
                 med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
                 row.update(ms=med * 1e3, tflops=0.0)
                 print(json.dumps(row), flush=True)

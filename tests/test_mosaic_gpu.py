@@ -45,6 +45,34 @@ def test_quantize_pass_matches_the_contract(variant):
     assert np.isnan(as_f32(got.values)[0, 1, 5, 3]) and np.isfinite(np.asarray(got.inv_tokens)).all()
 
 
+@pytest.mark.parametrize("shape", [(2, 300, 3, 64), (1, 128, 2, 256)])
+def test_fused_quantize_kernel_is_bitwise_the_xla_pass(shape):
+    from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
+
+    x = jax.random.normal(jax.random.PRNGKey(0), shape) * 3
+    x = x.at[0, 5, 1, 3].set(jnp.nan).at[0, 7, 0, 0].set(jnp.inf)
+    as_f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    for k_major in (False, True):
+        got = quantize_kernel.quantize(x, k_major=k_major, interpret=True)
+        want = mq.quantize(x, k_major=k_major)
+        for name in ("values", "values_t", "inv_tokens", "inv_rows"):
+            if getattr(want, name) is None:
+                assert getattr(got, name) is None
+                continue
+            np.testing.assert_array_equal(as_f32(getattr(got, name)), as_f32(getattr(want, name)),
+                                          err_msg=name)
+
+
+@pytest.mark.skipif(JAX_011, reason=f"the Triton IR capture uses jax 0.10's private lowering; this is jax {jax.__version__}")
+def test_fused_quantize_kernel_lowers_to_triton():
+    from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
+    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+
+    x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    modules = lower_for_cuda(lambda x: quantize_kernel.quantize(x, k_major=True), x)
+    assert list(modules) == ["dm_fp8_attention_quantize"]
+
+
 def test_supported_explains_refusals():
     cfg = config.MosaicConfig()
     shape = (1, 256, 2, 128)
@@ -79,8 +107,9 @@ def test_forward_lowers_for_cuda(case):
     args = [sds((b, t, hq, dqk), dtype), sds((b, s, hkv, dqk), dtype), sds((b, s, hkv, dv), dtype)]
     ids = [sds((b, t), jnp.int32), sds((b, s), jnp.int32)] if segments else [None, None]
 
-    def fn(q, k, v, q_ids, kv_ids):
-        return ops.forward(q, k, v, q_ids, kv_ids, causal=causal, sm_scale=dqk ** -0.5)
+    def fn(q, k, v, q_ids, kv_ids):  # the Triton quantize kernel needs a GPU to lower on 0.11
+        return ops.forward(q, k, v, q_ids, kv_ids, causal=causal, sm_scale=dqk ** -0.5,
+                           config=config.MosaicConfig(fused_quantize=False))
 
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args, *ids)
     text = exported.mlir_module()

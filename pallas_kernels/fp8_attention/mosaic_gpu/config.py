@@ -19,9 +19,12 @@ MIN_JAX = (0, 11)
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """K/V shared-memory stages of the forward (reduced to what fits shared memory)."""
+    """K/V shared-memory stages of the forward (reduced to what fits shared memory), and
+    whether the quantize pre-pass runs as one Pallas kernel (head dims that are powers of
+    two) or as XLA ops (bitwise the same operands)."""
 
     stages: int = 2
+    fused_quantize: bool = True
 
     def __post_init__(self):
         if not 1 <= self.stages <= 4:
