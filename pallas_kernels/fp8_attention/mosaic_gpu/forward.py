@@ -110,7 +110,8 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
         else:
             (o_ref, lse_ref, scratch), qseg_ref, kvseg_ref = rest, None, None
         smem, barriers = scratch
-        q_smem2, o_smem2, lse_smem2, qinv_smem2, qseg_smem2, k_smem, vt_smem, kvinv_smem, kseg_smem = smem
+        (q_smem2, o_smem2, lse_smem2, qinv_smem2, qseg_smem2, k_smem, vt_smem, kvinv_smem,
+         kseg_smem, p_smem2) = smem
         q_bars, k_bars, v_bars, aux_bars, k_free, v_free, schedule = barriers
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
         q_tile = lax.axis_index("q_seq")
@@ -214,7 +215,22 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
                     def _():
                         plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
 
-                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                if interpret:  # the GPU interpreter takes A from shared memory, has no run_state
+                    p_smem2.at[wg][...] = p8
+                    plgpu.commit_smem()
+
+                    def pv_interpret(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem2.at[wg], vt_smem.at[slot].T)
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv_interpret, plgpu.ACC((ROWS, dv), jnp.float32))
+                    nxt = j + 1
+
+                    @pl.when(nxt < steps)
+                    def _():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+                else:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l, inv_v
 
@@ -286,6 +302,8 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
             plgpu.SMEM((stages, dv, BLOCK), jnp.float8_e4m3fn, transforms=fp8_transforms(BLOCK)),
             plgpu.SMEM((stages, 2, ROWS), jnp.float32),
             kseg,
+            # P^ in shared memory: interpret mode only (its wgmma takes A from a ref)
+            plgpu.SMEM((WARPGROUPS, ROWS, BLOCK), jnp.float8_e4m3fn) if interpret else None,
         )
         aux_arrivals = 2 if mask.segments else 1
         barriers = (
