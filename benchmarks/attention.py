@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 
 import dm_jax
-from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.fp8_accumulation import MODES
+from pallas_kernels.fp8_attention.triton.config import default_block_sizes
+from pallas_kernels.fp8_attention.triton.fp8_accumulation import MODES
 from benchmarks.correctness import f32_out_and_grads, fro_rel
 from tests.shapes import BENCH_SHAPES, Case
 

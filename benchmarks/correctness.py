@@ -26,8 +26,8 @@ import numpy as np
 from dm_jax import reference
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
-from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.fp8_accumulation import MODES
+from pallas_kernels.fp8_attention.triton.config import default_block_sizes
+from pallas_kernels.fp8_attention.triton.fp8_accumulation import MODES
 from tests.shapes import DELTA_MODES, HEAD_DIMS, Case, gpu_cases
 
 FIELDS = ("out", "dq", "dk", "dv")

@@ -56,8 +56,8 @@ def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=F
     import jax.numpy as jnp
 
     import dm_jax
-    from pallas_kernels.fp8_attention.config import default_block_sizes
-    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+    from pallas_kernels.fp8_attention.triton.config import default_block_sizes
+    from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
     dv = head_dim_v or head_dim
     bs = dataclasses.replace(default_block_sizes(head_dim, dv), fp8_accumulation=accumulation)

@@ -22,13 +22,13 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_attention import backward as bk
-from pallas_kernels.fp8_attention import delta as dl
-from pallas_kernels.fp8_attention import forward as fw
-from pallas_kernels.fp8_attention import ops
-from pallas_kernels.fp8_attention.common import MaskSpec
-from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.quantize import quantize
+from pallas_kernels.fp8_attention.triton import backward as bk
+from pallas_kernels.fp8_attention.triton import delta as dl
+from pallas_kernels.fp8_attention.triton import forward as fw
+from pallas_kernels.fp8_attention.triton import ops
+from pallas_kernels.fp8_attention.triton.common import MaskSpec
+from pallas_kernels.fp8_attention.triton.config import default_block_sizes
+from pallas_kernels.fp8_attention.triton.quantize import quantize
 from benchmarks.attention import run_timed
 from tests.shapes import BENCH_MAIN
 

@@ -28,8 +28,8 @@ import dm_jax
 from dm_jax import numerics
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
-from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.fp8_accumulation import MODES
+from pallas_kernels.fp8_attention.triton.config import default_block_sizes
+from pallas_kernels.fp8_attention.triton.fp8_accumulation import MODES
 from tests.shapes import BENCH_SHAPES, Case
 from benchmarks.attention import timing
 from benchmarks.correctness import f32_out_and_grads, fro_rel, row_ratio

@@ -13,7 +13,7 @@ from dm_jax import numerics
 from dm_jax.backends import BACKENDS, IMPLEMENTATIONS, get_backend
 from dm_jax.masking import split_segment_ids
 from dm_jax.reference import DELTA_MODES
-from pallas_kernels.fp8_attention.config import BlockSizes, default_block_sizes
+from pallas_kernels.fp8_attention.triton.config import BlockSizes, default_block_sizes
 
 
 @dataclasses.dataclass(frozen=True)

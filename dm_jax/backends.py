@@ -11,7 +11,7 @@ Every backend offers the same three calls on the public layout ([B, T, H, D]):
 from __future__ import annotations
 
 from dm_jax import reference
-from pallas_kernels.fp8_attention import ops as fp8_ops
+from pallas_kernels.fp8_attention.triton import ops as fp8_ops
 
 IMPLEMENTATIONS = ("pallas", "pallas_interpret", "reference")
 

@@ -59,11 +59,11 @@ def test_gain_statistics_shares():
 
 
 def test_kernel_config_imports_first():
-    """`pallas_kernels.fp8_attention.config` can be the first import (no import cycle)."""
+    """`pallas_kernels.fp8_attention.triton.config` can be the first import (no import cycle)."""
     import pathlib
     import subprocess
     import sys
 
-    code = "from pallas_kernels.fp8_attention.config import BlockSizes; BlockSizes()"
+    code = "from pallas_kernels.fp8_attention.triton.config import BlockSizes; BlockSizes()"
     repo = pathlib.Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(repo))

@@ -106,7 +106,7 @@ def test_tune_block_variants_are_valid():
     """Every block-size variant the GPU sweeps would time is a valid BlockSizes that the
     kernels accept for its head dim (no variant fails on a shape rule on the GPU)."""
     from benchmarks import tune
-    from pallas_kernels.fp8_attention import ops
+    from pallas_kernels.fp8_attention.triton import ops
 
     for which in ("blocks", "heads"):
         for case, name, bs, with_fwd, with_bwd in tune.plan(which, smoke=False):

@@ -23,7 +23,7 @@ from dm_jax import reference
 from dm_jax.attention import AttentionConfig
 from dm_jax.backends import BACKENDS
 from dm_jax.diagnostics import row_sum_residuals
-from pallas_kernels.fp8_attention.config import BlockSizes, default_block_sizes
+from pallas_kernels.fp8_attention.triton.config import BlockSizes, default_block_sizes
 from tests.shapes import KERNEL_CASES, Case
 
 TIGHT = 1e-5
@@ -158,7 +158,7 @@ def test_fp8_accumulation_mode_is_per_kernel_under_plain_jit():
     max_num_imprecise_acc = 2^30 (FP8 wgmma, never promoted), those of "promote32" kernels
     for 32 (wgmma, FP32 after every 32 products), and "precise" ones ask for nothing."""
 
-    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+    from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
     q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
     modules = {}
@@ -184,8 +184,8 @@ def test_fp8_accumulation_mode_is_checked():
 def test_fp8_accumulation_falls_back_where_the_private_api_is_missing(monkeypatch):
     """Where jax's private Pallas-Triton lowering is not as expected, asking for wgmma
     accumulation warns (once) and lowers every dot without the request: the precise path."""
-    from pallas_kernels.fp8_attention import fp8_accumulation
-    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+    from pallas_kernels.fp8_attention.triton import fp8_accumulation
+    from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
     monkeypatch.setattr(fp8_accumulation, "_lowering_module", lambda: None)
     monkeypatch.setattr(fp8_accumulation, "_warned", [])

@@ -98,7 +98,7 @@ def test_check_grads_on_bf16_path():
 
 
 def _small_blocks():
-    from pallas_kernels.fp8_attention.config import BlockSizes
+    from pallas_kernels.fp8_attention.triton.config import BlockSizes
 
     return BlockSizes(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
 

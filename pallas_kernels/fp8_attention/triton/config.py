@@ -2,13 +2,14 @@
 
 The blockwise reference (:mod:`dm_jax.reference`) takes the same block sizes, so the
 reference and the kernels can be compared tile for tile. Token tiles must divide the
-128-token scale block of Q, K, V and dO (``dm_jax.numerics.SCALE_BLOCK``).
+128-token scale block of Q, K, V and dO (``numerics.SCALE_BLOCK``).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.fp8_attention import fp8_accumulation
+from pallas_kernels.fp8_attention import numerics
+from pallas_kernels.fp8_attention.triton import fp8_accumulation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,9 +29,6 @@ class BlockSizes:
     fp8_accumulation: str = "fast"
 
     def __post_init__(self):
-        # imported here: dm_jax imports the kernels, which import this module
-        from dm_jax import numerics
-
         if self.fp8_accumulation not in fp8_accumulation.MODES:
             raise ValueError(f"fp8_accumulation must be one of {sorted(fp8_accumulation.MODES)}, "
                              f"got {self.fp8_accumulation!r}")

@@ -10,12 +10,12 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_attention import backward as bwd_kernels
-from pallas_kernels.fp8_attention import delta as delta_kernels
-from pallas_kernels.fp8_attention import forward as fwd_kernels
-from pallas_kernels.fp8_attention.common import MaskSpec
-from pallas_kernels.fp8_attention.config import BlockSizes
-from pallas_kernels.fp8_attention.quantize import (
+from pallas_kernels.fp8_attention.triton import backward as bwd_kernels
+from pallas_kernels.fp8_attention.triton import delta as delta_kernels
+from pallas_kernels.fp8_attention.triton import forward as fwd_kernels
+from pallas_kernels.fp8_attention.triton.common import MaskSpec
+from pallas_kernels.fp8_attention.triton.config import BlockSizes
+from pallas_kernels.fp8_attention.triton.quantize import (
     pad_rows, pad_segment_ids, padded_length, quantize,
 )
 
