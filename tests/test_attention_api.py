@@ -1,4 +1,5 @@
 """Bad input to the public op gets a ValueError naming the argument."""
+
 import jax.numpy as jnp
 import pytest
 
@@ -23,12 +24,26 @@ V = jnp.ones((1, 16, 2, 8))
         (dict(precision="fp16"), r"^precision: expected one of \('fp8', 'bf16'\)"),
         (dict(implementation="cuda"), r"^implementation: expected None or one of"),
         (dict(scale=-1.0), r"^scale: expected a positive finite"),
-        (dict(segment_ids=jnp.zeros((1, 15), jnp.int32)), r"^q segment_ids: expected shape \(1, 16\)"),
-        (dict(k=jnp.ones((1, 8, 2, 8)), v=jnp.ones((1, 8, 2, 8)), segment_ids=jnp.zeros((1, 16), jnp.int32)),
-         r"^segment_ids: expected a \(q_ids \[B, 16\], kv_ids \[B, 8\]\) pair"),
-        (dict(segment_ids=(jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 9), jnp.int32))),
-         r"^kv segment_ids: expected shape \(1, 16\)"),
-        (dict(segment_ids=jnp.zeros((1, 16), jnp.float32)), r"^segment_ids: expected an integer dtype"),
+        (
+            dict(segment_ids=jnp.zeros((1, 15), jnp.int32)),
+            r"^q segment_ids: expected shape \(1, 16\)",
+        ),
+        (
+            dict(
+                k=jnp.ones((1, 8, 2, 8)),
+                v=jnp.ones((1, 8, 2, 8)),
+                segment_ids=jnp.zeros((1, 16), jnp.int32),
+            ),
+            r"^segment_ids: expected a \(q_ids \[B, 16\], kv_ids \[B, 8\]\) pair",
+        ),
+        (
+            dict(segment_ids=(jnp.zeros((1, 16), jnp.int32), jnp.zeros((1, 9), jnp.int32))),
+            r"^kv segment_ids: expected shape \(1, 16\)",
+        ),
+        (
+            dict(segment_ids=jnp.zeros((1, 16), jnp.float32)),
+            r"^segment_ids: expected an integer dtype",
+        ),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(kwargs, match):
@@ -58,12 +73,15 @@ def test_gain_statistics_shares():
         gain_statistics(jnp.ones(4), jnp.ones(5))
 
 
-def test_kernel_config_imports_first():
-    """`pallas_kernels.fp8_attention.triton.config` can be the first import (no import cycle)."""
+def test_kernel_modules_import_first():
+    """Each module of the kernel side can be the first import (no import cycle)."""
     import pathlib
     import subprocess
     import sys
 
-    code = "from pallas_kernels.fp8_attention.triton.config import BlockSizes; BlockSizes()"
+    code = (
+        "from pallas_kernels.fp8_attention.triton.config import TritonConfig; TritonConfig()\n"
+        "from pallas_kernels.fp8_attention.tiles import NumericsTiles; NumericsTiles()\n"
+    )
     repo = pathlib.Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(repo))

@@ -18,6 +18,7 @@ Contract (docs/numerics.md):
 Every function here is written with plain ``jnp``/``lax`` element-wise ops and reductions so
 that Pallas kernels can call the same code on their tiles.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -65,11 +66,13 @@ def pow2_scale(amax, fmt_max=FP8_MAX):
     """
     fmt_mantissa, fmt_exponent = _split_pow2(float(fmt_max))
     amax = jnp.asarray(amax, jnp.float32)
-    safe = jnp.maximum(amax, jnp.float32(2.0 ** -_MAX_SCALE_EXPONENT))  # smallest normal
+    safe = jnp.maximum(amax, jnp.float32(2.0**-_MAX_SCALE_EXPONENT))  # smallest normal
     bits = lax.bitcast_convert_type(safe, jnp.int32)
     exponent = jnp.right_shift(bits, _MANTISSA_BITS) - _EXPONENT_BIAS
     mantissa = jnp.bitwise_and(bits, _MANTISSA_MASK)
-    scale_exp = jnp.where(mantissa <= fmt_mantissa, fmt_exponent - exponent, fmt_exponent - 1 - exponent)
+    scale_exp = jnp.where(
+        mantissa <= fmt_mantissa, fmt_exponent - exponent, fmt_exponent - 1 - exponent
+    )
     scale_exp = jnp.clip(scale_exp, -_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
     scale = lax.bitcast_convert_type(
         jnp.left_shift(scale_exp + _EXPONENT_BIAS, _MANTISSA_BITS).astype(jnp.int32), jnp.float32
@@ -174,4 +177,3 @@ def quantize_tokens(x_BHTD, precision="fp8", block=SCALE_BLOCK):
     scales = token_block_scales(x_BHTD, precision, block)
     per_token = expand_token_scales(scales, x_BHTD.shape[2], block)[..., None]
     return cast_operand(x_BHTD, per_token, precision), scales
-

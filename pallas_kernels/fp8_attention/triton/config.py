@@ -1,65 +1,86 @@
-"""Block sizes of the attention kernels, and the defaults per head dim.
+"""Launch settings of the Triton backend, their defaults per head dim, and what it runs.
 
-The blockwise reference (:mod:`dm_jax.reference`) takes the same block sizes, so the
-reference and the kernels can be compared tile for tile. Token tiles must divide the
-128-token scale block of Q, K, V and dO (``numerics.SCALE_BLOCK``).
+Only speed depends on these; the tiles that change results are the backend-neutral
+:class:`..tiles.NumericsTiles` (the Triton kernels launch one program per tile of it).
 """
+
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
-from pallas_kernels.fp8_attention import numerics
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_attention.tiles import head_dim_row
 from pallas_kernels.fp8_attention.triton import fp8_accumulation
+
+FP8_ACCUMULATION_MODES = tuple(fp8_accumulation.MODES)  # "precise", "promote32", "fast"
+MAX_HEAD_DIM = 256
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes (tokens) of the forward and backward passes, plus launch settings."""
+class TritonConfig:
+    """Warps and pipeline stages of the forward and of the backward passes (delta, dQ,
+    dK/dV), and how the FP8 dots accumulate on Hopper: "precise" (fp16 mma.sync), "promote32"
+    or "fast" (FP8 wgmma); see fp8_accumulation.py (private JAX API, version-guarded)."""
 
-    block_q: int = 64
-    block_k: int = 64
-    bwd_block_q: int = 64
-    bwd_block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
-    # How the FP8 dots accumulate on Hopper: "precise" (fp16 mma.sync), "promote32" or
-    # "fast" (FP8 wgmma); see fp8_accumulation.py (private JAX API, version-guarded).
     fp8_accumulation: str = "fast"
 
     def __post_init__(self):
         if self.fp8_accumulation not in fp8_accumulation.MODES:
-            raise ValueError(f"fp8_accumulation must be one of {sorted(fp8_accumulation.MODES)}, "
-                             f"got {self.fp8_accumulation!r}")
-        for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
+            raise ValueError(
+                f"fp8_accumulation must be one of {sorted(fp8_accumulation.MODES)}, "
+                f"got {self.fp8_accumulation!r}"
+            )
+        for name in ("num_warps", "bwd_num_warps"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1) or numerics.SCALE_BLOCK % value:
-                raise ValueError(
-                    f"{name} must be a power of two in [16, {numerics.SCALE_BLOCK}] "
-                    f"(it must divide the {numerics.SCALE_BLOCK}-token scale block), got {value}"
-                )
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        for name in ("num_stages", "bwd_num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
-# Measured on the H200 (docs/benchmarks.md "Block sizes per head dim", 2026-11-29, fast
-# FP8 accumulation, [4, 4096, 16, D]): widest head dim -> forward (block_q, block_k,
-# warps, stages), backward (block_q, block_k, warps, stages). TFLOP/s against the next best
-# and the previous default in docs/benchmarks.md.
-_TUNED = (
-    (64, (64, 128, 4, 3), (64, 64, 4, 3)),
-    (128, (64, 128, 4, 3), (64, 64, 4, 2)),
-    (192, (64, 64, 4, 3), (64, 32, 4, 2)),  # MLA: Dqk 192, Dv 128
-    (256, (64, 64, 4, 3), (64, 64, 8, 2)),
+# Measured on the H200 (docs/benchmarks.md "Block sizes per head dim", 2026-11-29, fast FP8
+# accumulation, [4, 4096, 16, D]) with the tiles of tiles.py: widest head dim -> forward
+# (warps, stages), backward (warps, stages).
+_DEFAULTS = (
+    (64, (4, 3), (4, 3)),
+    (128, (4, 3), (4, 2)),
+    (192, (4, 3), (4, 2)),  # MLA: Dqk 192, Dv 128
+    (256, (4, 3), (8, 2)),
 )
 
 
-def default_block_sizes(head_dim_qk: int, head_dim_v: int) -> BlockSizes:
-    """Tiles and launch settings per head dim, from the H200 sweep in ``_TUNED`` (the row of
-    the smallest tuned head dim >= the widest of the two)."""
-    widest = max(head_dim_qk, head_dim_v)
-    for limit, fwd, bwd in _TUNED:
-        if widest <= limit:
-            break
-    return BlockSizes(block_q=fwd[0], block_k=fwd[1], num_warps=fwd[2], num_stages=fwd[3],
-                      bwd_block_q=bwd[0], bwd_block_k=bwd[1], bwd_num_warps=bwd[2],
-                      bwd_num_stages=bwd[3])
+def default_config(head_dim_qk: int, head_dim_v: int) -> TritonConfig:
+    """The default launch settings for these head dims."""
+    fwd, bwd = head_dim_row(_DEFAULTS, head_dim_qk, head_dim_v)
+    return TritonConfig(
+        num_warps=fwd[0], num_stages=fwd[1], bwd_num_warps=bwd[0], bwd_num_stages=bwd[1]
+    )
+
+
+def supported(q_shape, k_shape, v_shape, dtype, spec, config: TritonConfig) -> Optional[str]:
+    """None if the Triton kernels run this call, else a sentence saying what they support."""
+    del k_shape, config  # every launch setting that passes TritonConfig's checks runs
+    dqk, dv = q_shape[-1], v_shape[-1]
+    for name, d in (("Dqk", dqk), ("Dv", dv)):
+        if d % 16 or not 16 <= d <= MAX_HEAD_DIM:
+            return (
+                f"{name}={d}: the Triton kernels support head dims that are multiples of "
+                f"16 up to {MAX_HEAD_DIM} (tested: 64, 128, 256 and Dqk=192 with Dv=128)"
+            )
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {dtype}: the Triton kernels take float32, bfloat16 or float16 inputs"
+    tiles = spec.tiles
+    if max(dqk, dv) > 128 and max(tiles.block_q, tiles.block_k) > 64:
+        return (
+            "head dims above 128 need forward tiles of at most 64 tokens "
+            "(register pressure); use the default tiles"
+        )
+    return None
