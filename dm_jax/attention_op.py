@@ -17,6 +17,13 @@ from dm_jax.masking import split_segment_ids
 from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.tiles import NumericsTiles, default_tiles
 
+# Largest softmax scale accepted. FP8 and bf16 flash attention keep the scaled logits in f32
+# and recompute them (online softmax, then P = exp(S - lse) in the backward); once the f32
+# spacing of the logits nears exp's range (|S| around 1e9, reached by unit-normal inputs at
+# a scale of about 1e8) a recomputed logit can exceed the row maximum it was measured
+# against and results turn to NaN.
+MAX_SCALE = 2.0**16
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
@@ -55,7 +62,7 @@ def attention(
       delta: "matched" (sum_j P_ij dP^_ij, zero dS row sums), "do_matched"
         (rowsum(dO^ * O)) or "stale" (rowsum(dO * O), what other kernels do).
       precision: "fp8" (E4M3 operands with block scales) or "bf16".
-      scale: softmax scale, default Dqk ** -0.5.
+      scale: softmax scale in (0, MAX_SCALE], default Dqk ** -0.5.
       segment_ids: None, int [B, T] when T == S, or (q_ids [B, T], kv_ids [B, S]):
         queries attend only to keys of the same segment (packed sequences).
       implementation: None (best available: "pallas" on a GPU, "reference" elsewhere),
@@ -66,12 +73,15 @@ def attention(
       config: launch settings of the backend (e.g. a TritonConfig); default per head dim.
         With "pallas", its type picks the backend.
     Returns:
-      [B, T, Hq, Dv] in q's dtype.
+      [B, T, Hq, Dv] in q's dtype. Rows with no visible key (S == 0, segments) are 0; an empty
+      batch, query set or head set gives an empty result.
     """
     call, q_ids, kv_ids = prepare_call(
         q, k, v, causal=causal, delta=delta, precision=precision, scale=scale,
         segment_ids=segment_ids, implementation=implementation, tiles=tiles, config=config,
     )  # fmt: skip
+    if is_empty(q, k, v):
+        return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
     return _attention(call, q, k, v, q_ids, kv_ids)
 
 
@@ -93,8 +103,14 @@ def prepare_call(
         sm_scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
         tiles=tiles or default_tiles(q.shape[-1], v.shape[-1]),
     )
-    backend, config = backends.resolve(implementation, q, k, v, spec, config)
+    empty = is_empty(q, k, v)
+    backend, config = backends.resolve(implementation, q, k, v, spec, config, empty=empty)
     return AttentionConfig(spec, backend.name, config), q_ids, kv_ids
+
+
+def is_empty(q, k, v) -> bool:
+    """No output element to compute, or no key to attend to (the output is all zeros)."""
+    return 0 in (q.shape[0], q.shape[1], q.shape[2], v.shape[3], k.shape[1])
 
 
 def _backend(call: AttentionConfig):
@@ -143,7 +159,9 @@ def _check_arrays(q, k, v):
         _fail("v", f"the tokens and heads of k {k.shape[:3]}", f"shape {v.shape}")
     if k.shape[3] != dqk:
         _fail("k", f"head dim {dqk} (q's head dim)", f"head dim {k.shape[3]}")
-    if hq % k.shape[2]:
+    if dqk == 0:
+        _fail("q", "a head dim of at least 1", "head dim 0")
+    if k.shape[2] == 0 or hq % k.shape[2]:
         _fail("k", f"a number of heads dividing q's {hq} heads (GQA/MQA)", f"{k.shape[2]} heads")
 
 
@@ -152,6 +170,10 @@ def _check_segment_ids(segment_ids, b, t, s):
     if segment_ids is None:
         return None, None
     pair = isinstance(segment_ids, (tuple, list))
+    if pair and len(segment_ids) != 2:
+        _fail(
+            "segment_ids", "an array [B, T] or a (q_ids, kv_ids) pair", f"{len(segment_ids)} items"
+        )
     if not pair and t != s:
         _fail(
             "segment_ids", f"a (q_ids [B, {t}], kv_ids [B, {s}]) pair because T != S", "one array"
@@ -178,4 +200,11 @@ def _check_inputs(q, k, v, delta, precision, scale, segment_ids, implementation)
     if scale is not None:
         if isinstance(scale, jax.core.Tracer) or not math.isfinite(float(scale)) or scale <= 0:
             _fail("scale", "a positive finite Python number (static)", repr(scale))
+        if scale > MAX_SCALE:
+            _fail(
+                "scale",
+                f"at most {MAX_SCALE:g}: FP8 and bf16 flash attention recompute f32 logits, "
+                "which lose the precision softmax needs at larger scales (results turn to NaN)",
+                repr(scale),
+            )
     return _check_segment_ids(segment_ids, q.shape[0], q.shape[1], k.shape[1])

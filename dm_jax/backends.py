@@ -193,15 +193,18 @@ def kernel_backends() -> tuple:
     return tuple(name for name in available() if name != "reference")
 
 
-def resolve(implementation: Optional[str], q, k, v, spec: AttentionSpec, config=None):
+def resolve(
+    implementation: Optional[str], q, k, v, spec: AttentionSpec, config=None, *, empty=False
+):
     """``(backend, config)`` that run this call; ``config`` None becomes the backend's default.
 
     Raises NotImplementedError naming ``implementation`` when no backend it names can run the
-    call here (with what can), ValueError when ``config`` is another backend's type.
+    call here (with what can), ValueError when ``config`` is another backend's type. An
+    ``empty`` call (nothing to compute) skips the backend's shape checks.
     """
     name = ALIASES.get(implementation, implementation) or default_implementation()
     if name == "pallas":
-        return _first_pallas(q, k, v, spec, config)
+        return _first_pallas(q, k, v, spec, config, empty)
     backend = BACKENDS[name]
     reason = backend.unavailable()
     if reason:
@@ -211,13 +214,13 @@ def resolve(implementation: Optional[str], q, k, v, spec: AttentionSpec, config=
     mismatch = backend.config_mismatch(config)
     if mismatch:
         raise ValueError(mismatch)
-    reason = backend.supported(q, k, v, spec, config)
+    reason = None if empty else backend.supported(q, k, v, spec, config)
     if reason:
         raise NotImplementedError(f"implementation={implementation!r}: {reason}")
     return backend, config
 
 
-def _first_pallas(q, k, v, spec, config):
+def _first_pallas(q, k, v, spec, config, empty):
     """The first backend of PALLAS that serves the call (``config`` picks by its type)."""
     refusals = []
     for name in PALLAS:
@@ -229,7 +232,7 @@ def _first_pallas(q, k, v, spec, config):
             chosen = (
                 config if config is not None else backend.default_config(q.shape[-1], v.shape[-1])
             )
-            reason = backend.supported(q, k, v, spec, chosen)
+            reason = None if empty else backend.supported(q, k, v, spec, chosen)
         if reason is None:
             log.debug(
                 "implementation='pallas' runs %r%s", name, "".join(f"; {r}" for r in refusals)

@@ -7,7 +7,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from dm_jax import backends
-from dm_jax.attention_op import prepare_call
+from dm_jax.attention_op import is_empty, prepare_call
 
 
 def row_sum_residuals(
@@ -33,7 +33,7 @@ def row_sum_residuals(
     Returns:
       dict with ``pre_cast`` (dS in FP32, before its cast to FP8) and ``post_cast``
       (the decoded FP8 dS the dQ/dK matmuls use), each [B, Hq, T] float32. Rows whose dS
-      is all zero (fully masked) report 0.
+      is all zero (fully masked, or no keys at all) report 0.
     """
     call, q_ids, kv_ids = prepare_call(
         q,
@@ -50,6 +50,9 @@ def row_sum_residuals(
     )
     if do.shape != q.shape[:3] + v.shape[3:]:
         raise ValueError(f"do: expected shape {q.shape[:3] + v.shape[3:]}, got {do.shape}")
+    if is_empty(q, k, v):
+        zeros = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+        return {"pre_cast": zeros, "post_cast": zeros}
     backend, spec = backends.get(call.implementation), call.spec
     out, lse = backend.forward(q, k, v, q_ids, kv_ids, spec=spec, config=call.config)
     res = backend.backward(
