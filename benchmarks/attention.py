@@ -26,28 +26,26 @@ import jax
 import jax.numpy as jnp
 
 import dm_jax
-from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.fp8_accumulation import MODES
 from benchmarks.correctness import f32_out_and_grads, fro_rel
-from tests.shapes import BENCH_SHAPES, Case
+from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
+from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, default_config
 
 F32 = jnp.float32
 
 
 def arms(case: Case, implementation="pallas"):
     """name -> attention fn (q, k, v) -> out. ``ours_*`` without a suffix use the default
-    block sizes (and FP8 accumulation mode); ``_precise`` / ``_promote32`` / ``_fast``
-    set the mode (pallas_kernels/fp8_attention/fp8_accumulation.py)."""
+    tiles and launch settings of the backend ``implementation`` picks; ``_precise`` /
+    ``_promote32`` / ``_fast`` run the Triton backend in that FP8 accumulation mode
+    (pallas_kernels/fp8_attention/triton/fp8_accumulation.py)."""
     import dataclasses
 
-    bs = default_block_sizes(case.dqk, case.dv)
-
     def ours(delta, precision, accumulation=None):
-        block_sizes = bs if accumulation is None else dataclasses.replace(
-            bs, fp8_accumulation=accumulation)
+        config = None if accumulation is None else dataclasses.replace(
+            default_config(case.dqk, case.dv), fp8_accumulation=accumulation)
         return lambda q, k, v: dm_jax.attention(
             q, k, v, causal=case.causal, delta=delta, precision=precision,
-            implementation=implementation, block_sizes=block_sizes)
+            implementation=implementation, config=config)
 
     out = {
         "ours_fp8_matched": ours("matched", "fp8"),
@@ -55,7 +53,7 @@ def arms(case: Case, implementation="pallas"):
         "ours_fp8_stale": ours("stale", "fp8"),
         "ours_bf16_stale": ours("stale", "bf16"),
     }
-    for mode in MODES:
+    for mode in FP8_ACCUMULATION_MODES:
         out[f"ours_fp8_matched_{mode}"] = ours("matched", "fp8", mode)
         out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode)
     try:
@@ -204,7 +202,7 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="CPU check of the script: each shape shrunk to [1, 256, 2 heads], interpret mode")
     p.add_argument("--shapes", default="main",
-                   help=f"comma-separated, from {sorted(BENCH_SHAPES)} (tests/shapes.py)")
+                   help=f"comma-separated, from {sorted(BENCH_SHAPES)} (fp8_attention/arg_specs.py)")
     args = p.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
@@ -222,7 +220,7 @@ def main(argv=None):
             case = dataclasses.replace(BENCH_SHAPES[name], causal=causal)
             impl = "pallas"
             if args.smoke:
-                case, impl = case.shrunk(), "pallas_interpret"
+                case, impl = case.shrunk(), "triton_interpret"
             rows += bench_case(case, args.iters, args.reps, start + args.budget, only, impl)
     info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows,
                 seconds=time.time() - start, argv=sys.argv)

@@ -1,7 +1,7 @@
 """GPU correctness of the Pallas kernels at realistic sizes.
 
 For each head dim, causal or not, and every delta mode: the kernels (implementation
-"pallas") against the blockwise emulation of the same numerics (dm_jax.reference, same
+"pallas", or any name of dm_jax.backends) against the blockwise emulation of the same numerics (dm_jax.reference, same
 tiles) and against high-precision attention (mha_reference, f32), under a random dO;
 plus the normalized pre-/post-cast dS row sums |sum_j dS_ij| / sum_j |dS_ij|.
 
@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dm_jax import reference
-from dm_jax.attention import AttentionConfig
-from dm_jax.backends import BACKENDS
-from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.fp8_accumulation import MODES
-from tests.shapes import DELTA_MODES, HEAD_DIMS, Case, gpu_cases
+from dm_jax import backends, reference
+from dm_jax.numerics import DELTA_MODES
+from pallas_kernels.fp8_attention.api import AttentionSpec
+from pallas_kernels.fp8_attention.arg_specs import HEAD_DIMS, Case, gpu_cases
+from pallas_kernels.fp8_attention.tiles import default_tiles
+from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES
 
 FIELDS = ("out", "dq", "dk", "dv")
 
@@ -65,42 +65,46 @@ def row_ratio(rowsum, abssum):
 
 
 def run_case(case: Case, modes, with_reference=True, implementation="pallas", overrides=None):
-    """Records (one per delta mode) for one shape; ``overrides``: BlockSizes fields to change
-    from the defaults (e.g. the FP8 accumulation mode)."""
+    """Records (one per delta mode) for one shape; ``overrides``: launch-config fields of the
+    backend to change from its defaults (e.g. the Triton FP8 accumulation mode)."""
     q, k, v, do = case.arrays(seed=0)
     ids = case.segment_ids()
     q_ids, kv_ids = ids if ids is not None else (None, None)
-    bs = dataclasses.replace(default_block_sizes(case.dqk, case.dv), **(overrides or {}))
 
-    def config(mode, impl):
-        return AttentionConfig(case.causal, mode, case.precision, case.dqk ** -0.5, impl, bs)
+    def spec(mode):
+        return AttentionSpec(case.causal, mode, case.precision, case.dqk ** -0.5,
+                             default_tiles(case.dqk, case.dv))
 
-    kern, ref = BACKENDS[implementation], BACKENDS["reference"]
-    fwd = jax.jit(lambda q, k, v, qi, ki, c: kern.forward(q, k, v, qi, ki, config=c),
+    kern, cfg = backends.resolve(implementation, q, k, v, spec(modes[0]))
+    cfg = dataclasses.replace(cfg, **(overrides or {}))
+    ref = backends.get("reference")
+    ref_cfg = ref.default_config(case.dqk, case.dv)
+    fwd = jax.jit(lambda q, k, v, qi, ki, s: kern.forward(q, k, v, qi, ki, spec=s, config=cfg),
                   static_argnums=5)
-    out, lse = fwd(q, k, v, q_ids, kv_ids, config(modes[0], implementation))
+    out, lse = fwd(q, k, v, q_ids, kv_ids, spec(modes[0]))
 
     hp = f32_out_and_grads(q, k, v, do, case.causal, ids)
     if with_reference:
-        r_out, r_lse = jax.jit(lambda q, k, v, qi, ki, c: ref.forward(q, k, v, qi, ki, config=c),
-                               static_argnums=5)(q, k, v, q_ids, kv_ids, config(modes[0], "reference"))
+        r_out, r_lse = jax.jit(
+            lambda q, k, v, qi, ki, s: ref.forward(q, k, v, qi, ki, spec=s, config=ref_cfg),
+            static_argnums=5)(q, k, v, q_ids, kv_ids, spec(modes[0]))
     records = []
     for mode in modes:
         t0 = time.time()
-        c = config(mode, implementation)
-        bwd = jax.jit(lambda *a, c=c: kern.backward(*a, config=c))
+        s = spec(mode)
+        bwd = jax.jit(lambda *a, s=s: kern.backward(*a, spec=s, config=cfg, with_stats=True))
         g = bwd(q, k, v, out, lse, do, q_ids, kv_ids)
         rec = dict(case=case.name, b=case.b, t=case.t, hq=case.hq, hkv=case.hkv, dqk=case.dqk,
                    dv=case.dv, causal=case.causal, segments=case.segment_len is not None,
-                   precision=case.precision, delta=mode, fp8_accumulation=bs.fp8_accumulation)
+                   precision=case.precision, delta=mode, implementation=kern.name,
+                   config=dataclasses.asdict(cfg))
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
             rec[f"hp_{name}"] = fro_rel(a, b)
         rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
         rec["post_max"], rec["post_median"] = row_ratio(g.ds_rowsum_post, g.ds_abssum_post)
         rec["finite"] = bool(all(jnp.all(jnp.isfinite(x)) for x in (out, g.dq, g.dk, g.dv)))
         if with_reference:
-            rc = config(mode, "reference")
-            rg = jax.jit(lambda *a, rc=rc: ref.backward(*a, config=rc))(
+            rg = jax.jit(lambda *a, s=s: ref.backward(*a, spec=s, config=ref_cfg))(
                 q, k, v, out, lse, do, q_ids, kv_ids)
             rec["ref_out"] = max_rel(out, r_out)
             rec["fro_ref_out"] = fro_rel(out, r_out)
@@ -133,12 +137,13 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=480.0, help="seconds; later cases skipped")
     parser.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
-    parser.add_argument("--implementation", default="pallas", help="pallas_interpret on a CPU")
+    parser.add_argument("--implementation", default="pallas", choices=backends.IMPLEMENTATIONS,
+                        help="triton_interpret (or another interpret twin) on a CPU")
     parser.add_argument("--only", default="", help="comma-separated case names")
     args = parser.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
-    plan = []  # (case, delta modes, BlockSizes overrides or None for the defaults)
+    plan = []  # (case, delta modes, launch-config overrides or None for the defaults)
     if args.quick:
         smoke = Case("smoke", 1, 300, 300, 4, 2, 64, 64, causal=True, segment_len=100)
         plan.append((smoke, DELTA_MODES, None))
@@ -155,7 +160,7 @@ def main(argv=None):
             plan.append((gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0],
                          DELTA_MODES, None))
         other = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
-        for mode in MODES:  # the default's row above repeats one
+        for mode in FP8_ACCUMULATION_MODES:  # the default's row above repeats one
             plan.append((dataclasses.replace(other, name=f"{other.name}_{mode}"), ("matched", "stale"),
                          dict(fp8_accumulation=mode)))
     only = [n for n in args.only.split(",") if n]

@@ -3,7 +3,7 @@
     python benchmarks/kernel_ir.py --out /tmp/kernel_ir     # needs `pip install triton`
     python benchmarks/kernel_ir.py --head-dim 192 --head-dim-v 128 --out ...
 
-1. Lowers one forward+backward step of `dm_jax.attention` for the CUDA platform on any
+1. Lowers one forward+backward step of the Triton backend (`dm_jax.backends`) for CUDA on any
    host (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``) and keeps the
    Triton IR (TTIR) that Pallas hands to XLA for each kernel.
 2. Compiles each with the `triton` package for sm_90 (Hopper), with the kernel's warps and
@@ -51,26 +51,28 @@ def census(ptx: str) -> dict:
 
 def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=False, tokens=256,
                  head_dim_v=None):
-    """{kernel name: TTIR text} of one fwd+bwd step, lowered for CUDA on this host."""
-    import jax
+    """({kernel name: TTIR text} of one fwd+bwd step of the Triton backend, lowered for CUDA on
+    this host; its TritonConfig)."""
     import jax.numpy as jnp
 
-    import dm_jax
-    from pallas_kernels.fp8_attention.config import default_block_sizes
-    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+    from dm_jax import backends
+    from pallas_kernels.fp8_attention.api import AttentionSpec
+    from pallas_kernels.fp8_attention.tiles import default_tiles
+    from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
     dv = head_dim_v or head_dim
-    bs = dataclasses.replace(default_block_sizes(head_dim, dv), fp8_accumulation=accumulation)
+    triton = backends.get("triton")
+    config = dataclasses.replace(triton.default_config(head_dim, dv), fp8_accumulation=accumulation)
+    spec = AttentionSpec(causal, "matched", precision, head_dim**-0.5, default_tiles(head_dim, dv))
     q = jnp.zeros((1, tokens, 2, head_dim), jnp.bfloat16)
     v = jnp.zeros((1, tokens, 2, dv), jnp.bfloat16)
 
     def step(q, k, v, do):
-        out, vjp = jax.vjp(lambda q, k, v: dm_jax.attention(
-            q, k, v, causal=causal, precision=precision, implementation="pallas", block_sizes=bs), q, k, v)
-        return vjp(do)
+        out, lse = triton.forward(q, k, v, None, None, spec=spec, config=config)
+        return triton.backward(q, k, v, out, lse, do, None, None, spec=spec, config=config)[:3]
 
     modules = lower_for_cuda(step, q, q, v, v)
-    return modules, bs
+    return modules, config
 
 
 def compile_for_hopper(ttir_path: str, num_warps: int, num_stages: int) -> dict:
@@ -99,15 +101,15 @@ def main(argv=None):
     result = {"triton": triton.__version__, "target": "sm_90", "head_dim": args.head_dim,
               "head_dim_v": dv, "kernels": {}}
     for precision, mode in (("fp8", "precise"), ("fp8", "promote32"), ("fp8", "fast"), ("bf16", "precise")):
-        modules, bs = capture_ttir(precision, mode, args.head_dim, head_dim_v=dv)
+        modules, config = capture_ttir(precision, mode, args.head_dim, head_dim_v=dv)
         for name, ttir in sorted(modules.items()):
             tag = f"{precision}_{mode}:{name}"
             path = os.path.join(args.out, f"{precision}_{name}.ttir")
             with open(path, "w") as f:
                 f.write(ttir)
             forward = "forward" in name
-            warps = bs.num_warps if forward else bs.bwd_num_warps
-            stages = bs.num_stages if forward else bs.bwd_num_stages
+            warps = config.num_warps if forward else config.bwd_num_warps
+            stages = config.num_stages if forward else config.bwd_num_stages
             compiled = compile_for_hopper(path, warps, stages)
             for key in ("ttgir", "ptx"):
                 with open(path[:-5] + "." + key, "w") as f:

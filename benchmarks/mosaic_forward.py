@@ -31,7 +31,7 @@ from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu import ops
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize, quantize_in_input_layout
-from tests.shapes import BENCH_SHAPES, Case
+from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
 
 CHECKS = (
     Case("d64", 1, 512, 512, 4, 4, 64, 64),

@@ -2,14 +2,16 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/passes.py --out $OUT
 
-Passes (main benchmark shape, non-causal unless --causal 1): the quantize pre-passes of
-the forward and the backward, the forward kernel, the matched-delta kernel, the stale row
-dot, the dQ pass and the dK/dV pass; in FP8 (each accumulation mode of --modes) and bf16.
+Passes (main benchmark shape, non-causal unless --causal 1): what the backend's ``passes``
+lists (dm_jax.backends; Triton: the quantize pre-passes of the forward and the backward, the
+forward kernel, the matched-delta kernel, the stale row dot, the dQ pass and the dK/dV pass);
+in FP8 (each accumulation mode of --modes) and bf16.
 Each is jitted on its own inputs and timed like benchmarks/attention.py (a fori_loop
 with a dependency between iterations, median of reps). TFLOP/s counts the pass's dots:
 forward 2, delta 2, dQ 3, dK/dV 4 matmuls of 2 T S D FLOPs each (causal: half).
 Writes passes.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,15 +24,11 @@ import traceback
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_attention import backward as bk
-from pallas_kernels.fp8_attention import delta as dl
-from pallas_kernels.fp8_attention import forward as fw
-from pallas_kernels.fp8_attention import ops
-from pallas_kernels.fp8_attention.common import MaskSpec
-from pallas_kernels.fp8_attention.config import default_block_sizes
-from pallas_kernels.fp8_attention.quantize import quantize
 from benchmarks.attention import run_timed
-from tests.shapes import BENCH_MAIN
+from dm_jax import backends
+from pallas_kernels.fp8_attention.api import AttentionSpec
+from pallas_kernels.fp8_attention.arg_specs import BENCH_MAIN
+from pallas_kernels.fp8_attention.tiles import default_tiles
 
 F32 = jnp.float32
 
@@ -39,14 +37,19 @@ def time_fn(fn, args, iters, reps):
     """Median seconds of fn(*args); every iteration perturbs (by 0) the first 16- or
     32-bit float leaf, so the loop cannot hoist the call."""
     leaves, tree = jax.tree_util.tree_flatten(args)
-    first = next(i for i, x in enumerate(leaves)
-                 if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 2)
+    first = next(
+        i
+        for i, x in enumerate(leaves)
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 2
+    )
 
     def loop(leaves):
         def body(_, carry):
             acc, leaves = carry
             out = fn(*jax.tree_util.tree_unflatten(tree, leaves))
-            acc = acc + sum(jnp.sum(o[..., :1, :1].astype(F32)) for o in jax.tree_util.tree_leaves(out))
+            acc = acc + sum(
+                jnp.sum(o[..., :1, :1].astype(F32)) for o in jax.tree_util.tree_leaves(out)
+            )
             leaves = list(leaves)
             x = leaves[first]
             leaves[first] = x + (acc * 0).astype(x.dtype)
@@ -57,41 +60,18 @@ def time_fn(fn, args, iters, reps):
     return run_timed(loop, leaves, iters, reps)[0]
 
 
-def passes(case, precision, accumulation, interpret=False):
-    """name -> (fn, args, matmuls counted) for one precision and FP8 accumulation mode."""
+def passes(case, precision, mode, implementation="triton"):
+    """name -> Pass(fn, args, matmuls counted) of a backend for one precision; ``mode``: the
+    Triton FP8 accumulation mode, or "default" (the backend's default launch config)."""
     q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
-    bs = dataclasses.replace(default_block_sizes(case.dqk, case.dv), fp8_accumulation=accumulation)
-    mask = MaskSpec(t=case.t, s=case.s, causal=case.causal, segments=False, padded=False)
-    sm = case.dqk ** -0.5
-    kw = dict(mask=mask, sm_scale=sm, block_q=bs.bwd_block_q, block_k=bs.bwd_block_k,
-              num_warps=bs.bwd_num_warps, num_stages=bs.bwd_num_stages, interpret=interpret,
-              fp8_accumulation=accumulation)
-    q8, k8, v8f = quantize(q, precision), quantize(k, precision), quantize(v, precision, k_major=True)
-    o, lse = ops.forward(q, k, v, causal=case.causal, sm_scale=sm, precision=precision,
-                         block_sizes=bs, interpret=interpret)
-    bq8, bk8 = quantize(q, precision, k_major=True), quantize(k, precision, k_major=True)
-    bv8, bdo8 = quantize(v, precision), quantize(do, precision, k_major=True)
-    delta = dl.matched_delta(bq8, bk8, bv8, bdo8, lse, None, None, **kw)
-    fwd_kernel = lambda q8, k8, v8: fw.forward(
-        q8, k8, v8, mask=mask, sm_scale=sm, precision=precision, block_q=bs.block_q,
-        block_k=bs.block_k, num_warps=bs.num_warps, num_stages=bs.num_stages,
-        out_dtype=jnp.bfloat16, interpret=interpret, fp8_accumulation=accumulation)
-    return {
-        "quantize_fwd": (lambda q, k, v: (quantize(q, precision), quantize(k, precision),
-                                          quantize(v, precision, k_major=True)), (q, k, v), 0),
-        "forward_kernel": (fwd_kernel, (q8, k8, v8f), 2),
-        "quantize_bwd": (lambda q, k, v, do: (quantize(q, precision, k_major=True),
-                                              quantize(k, precision, k_major=True),
-                                              quantize(v, precision),
-                                              quantize(do, precision, k_major=True)), (q, k, v, do), 0),
-        "delta_matched_kernel": (lambda *a: dl.matched_delta(*a, None, None, **kw),
-                                 (bq8, bk8, bv8, bdo8, lse), 2),
-        "delta_stale_rowdot": (lambda do, o: dl.row_dot_delta("stale", do, o, bdo8, case.t), (do, o), 0),
-        "dq_pass": (lambda *a: bk.dq_pass(*a, None, None, precision=precision, **kw)[0],
-                    (bq8, bk8, bv8, bdo8, lse, delta), 3),
-        "dkdv_pass": (lambda *a: bk.dkdv_pass(*a, None, None, precision=precision, **kw),
-                      (bq8, bk8, bv8, bdo8, lse, delta), 4),
-    }
+    backend = backends.get(implementation)
+    config = backend.default_config(case.dqk, case.dv)
+    if mode != "default":
+        config = dataclasses.replace(config, fp8_accumulation=mode)
+    spec = AttentionSpec(
+        case.causal, "matched", precision, case.dqk**-0.5, default_tiles(case.dqk, case.dv)
+    )
+    return backend.passes(q, k, v, do, spec=spec, config=config)
 
 
 def main(argv=None):
@@ -101,8 +81,18 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--budget", type=float, default=150.0)
-    p.add_argument("--modes", default="precise,promote32,fast",
-                   help="FP8 accumulation modes to time (bf16 runs once, after them)")
+    p.add_argument(
+        "--modes",
+        default="precise,promote32,fast",
+        help="Triton FP8 accumulation modes to time (bf16 runs once, after them); "
+        "'default' for other backends",
+    )
+    p.add_argument(
+        "--implementation",
+        default="triton",
+        choices=("triton", "mosaic"),
+        help="the backend whose passes are timed",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny shape in interpret mode (CPU)")
     args = p.parse_args(argv)
     start = time.time()
@@ -111,17 +101,23 @@ def main(argv=None):
         case = case.shrunk()
     one_matmul = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if case.causal else 1.0)
     rows = []
-    runs = [("fp8", m) for m in args.modes.split(",") if m] + [("bf16", "precise")]
+    runs = [("fp8", m) for m in args.modes.split(",") if m]
+    runs.append(("bf16", "precise" if args.implementation == "triton" else "default"))
+    impl = args.implementation + ("_interpret" if args.smoke else "")
     for precision, mode in runs:
         try:
-            plan = passes(case, precision, mode, interpret=args.smoke)
+            plan = passes(case, precision, mode, impl)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            rows.append(dict(precision=precision, mode=mode, error=f"{type(e).__name__}: {str(e)[:500]}"))
+            rows.append(
+                dict(precision=precision, mode=mode, error=f"{type(e).__name__}: {str(e)[:500]}")
+            )
             continue
         for name, (fn, fargs, matmuls) in plan.items():
             if time.time() - start > args.budget:
-                rows.append(dict(precision=precision, mode=mode, name=name, error="skipped: time budget"))
+                rows.append(
+                    dict(precision=precision, mode=mode, name=name, error="skipped: time budget")
+                )
                 continue
             row = dict(precision=precision, mode=mode, name=name, causal=case.causal)
             try:
@@ -135,12 +131,23 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             rows.append(row)
     with open(os.path.join(args.out, f"passes{'_causal' if case.causal else ''}.json"), "w") as f:
-        json.dump(dict(jax=jax.__version__, device=jax.devices()[0].device_kind, shape=[case.b, case.t, case.hq, case.dqk],
-                       rows=rows, seconds=time.time() - start), f, indent=1)
+        json.dump(
+            dict(
+                jax=jax.__version__,
+                device=jax.devices()[0].device_kind,
+                shape=[case.b, case.t, case.hq, case.dqk],
+                rows=rows,
+                seconds=time.time() - start,
+            ),
+            f,
+            indent=1,
+        )
     print("| precision | pass | ms | TFLOP/s |")
     for r in rows:
-        print(f"| {r['precision']} {r.get('mode', '')} | {r.get('name', '-')} | "
-              f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} | {r.get('error', '')[:60]}")
+        print(
+            f"| {r['precision']} {r.get('mode', '')} | {r.get('name', '-')} | "
+            f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} | {r.get('error', '')[:60]}"
+        )
 
 
 if __name__ == "__main__":

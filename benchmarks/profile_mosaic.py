@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize
-from tests.shapes import BENCH_MAIN
+from pallas_kernels.fp8_attention.arg_specs import BENCH_MAIN
 
 
 def main(argv=None):

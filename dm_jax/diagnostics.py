@@ -1,12 +1,13 @@
 """Diagnostics that show stale delta versus Delta-Matching: dS row sums, channel gains."""
+
 from __future__ import annotations
 
 from typing import Optional
 
 import jax.numpy as jnp
 
-from dm_jax.attention import prepare_call
-from dm_jax.backends import get_backend
+from dm_jax import backends
+from dm_jax.attention_op import is_empty, prepare_call
 
 
 def row_sum_residuals(
@@ -21,7 +22,8 @@ def row_sum_residuals(
     scale: Optional[float] = None,
     segment_ids=None,
     implementation: Optional[str] = None,
-    block_sizes=None,
+    tiles=None,
+    config=None,
 ):
     """Normalized dS row sums ``|sum_j dS_ij| / sum_j |dS_ij|`` of one attention call.
 
@@ -31,17 +33,41 @@ def row_sum_residuals(
     Returns:
       dict with ``pre_cast`` (dS in FP32, before its cast to FP8) and ``post_cast``
       (the decoded FP8 dS the dQ/dK matmuls use), each [B, Hq, T] float32. Rows whose dS
-      is all zero (fully masked) report 0.
+      is all zero (fully masked, or no keys at all) report 0.
     """
-    config, q_ids, kv_ids = prepare_call(
-        q, k, v, causal=causal, delta=delta, precision=precision, scale=scale,
-        segment_ids=segment_ids, implementation=implementation, block_sizes=block_sizes,
+    call, q_ids, kv_ids = prepare_call(
+        q,
+        k,
+        v,
+        causal=causal,
+        delta=delta,
+        precision=precision,
+        scale=scale,
+        segment_ids=segment_ids,
+        implementation=implementation,
+        tiles=tiles,
+        config=config,
     )
     if do.shape != q.shape[:3] + v.shape[3:]:
         raise ValueError(f"do: expected shape {q.shape[:3] + v.shape[3:]}, got {do.shape}")
-    backend = get_backend(config.implementation)
-    out, lse = backend.forward(q, k, v, q_ids, kv_ids, config=config)
-    res = backend.backward(q, k, v, out, lse, do.astype(out.dtype), q_ids, kv_ids, config=config)
+    if is_empty(q, k, v):
+        zeros = jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+        return {"pre_cast": zeros, "post_cast": zeros}
+    backend, spec = backends.get(call.implementation), call.spec
+    out, lse = backend.forward(q, k, v, q_ids, kv_ids, spec=spec, config=call.config)
+    res = backend.backward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        do.astype(out.dtype),
+        q_ids,
+        kv_ids,
+        spec=spec,
+        config=call.config,
+        with_stats=True,
+    )
 
     def ratio(row_sum, abs_sum):
         return jnp.abs(row_sum) / jnp.where(abs_sum == 0, 1.0, abs_sum)
@@ -66,7 +92,9 @@ def gain_statistics(g_q, g_k, *, top: int = 4):
     g_q = jnp.asarray(g_q, jnp.float32)
     g_k = jnp.asarray(g_k, jnp.float32)
     if g_q.ndim != 1 or g_q.shape != g_k.shape:
-        raise ValueError(f"g_q, g_k: expected two vectors of one length, got {g_q.shape}, {g_k.shape}")
+        raise ValueError(
+            f"g_q, g_k: expected two vectors of one length, got {g_q.shape}, {g_k.shape}"
+        )
     product = g_q * g_k
     energy = jnp.sort(product**2)[::-1]
     total = jnp.maximum(jnp.sum(energy), jnp.finfo(jnp.float32).tiny)

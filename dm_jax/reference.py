@@ -3,11 +3,12 @@
 * :func:`mha_reference`: high-precision (f32 math) attention, the accuracy oracle.
 * :func:`flash_forward` / :func:`flash_backward`: a blockwise emulation of the flash
   algorithm with exactly the numerics of the Pallas kernels (FP8 or bf16 operands, FP32
-  softmax and accumulation, P and dS quantized per tile). Block sizes are parameters so a
-  kernel can be matched tile for tile.
+  softmax and accumulation, P and dS quantized per tile). Block sizes are parameters (the
+  tiles of ``pallas_kernels.fp8_attention.tiles.NumericsTiles``) so a kernel can be matched
+  tile for tile. ``dm_jax.reference_ops`` registers the emulation as the "reference" backend.
 
 Layouts: public functions take ``[B, T, H, D]``; the emulation works on ``[B, H, T, D]``.
-Equations (DESIGN.md section 1), per head, with hats for decoded FP8 operands:
+Equations (README.md and docs/numerics.md), per head, with hats for decoded FP8 operands:
     S = scale * Q^ K^^T,   P = softmax(S),   O = P^ V^            (forward)
     dV = P^^T dO^,  dP^ = dO^ V^^T,  dS = P * (dP^ - delta),
     dQ = scale * dS^ K^,   dK = scale * dS^^T Q^                   (backward)
@@ -25,8 +26,9 @@ from jax import lax
 
 from dm_jax import numerics
 from dm_jax.masking import MaskInfo, tile_mask
+from pallas_kernels.fp8_attention.api import BackwardResult
+from pallas_kernels.fp8_attention.numerics import DELTA_MODES
 
-DELTA_MODES = ("matched", "do_matched", "stale")
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -206,18 +208,6 @@ def _rowsum_delta(do8_tiles, do, o, delta, hkv, block_q):
     rows, _ = _pad_tokens(rows[..., None], block_q)
     b, hq = rows.shape[:2]
     return _group_queries(rows[..., 0].reshape(b, hq, -1, block_q), hkv)
-
-
-class BackwardResult(NamedTuple):
-    dq: jax.Array  # [B, T, Hq, Dqk]
-    dk: jax.Array  # [B, S, Hkv, Dqk]
-    dv: jax.Array  # [B, S, Hkv, Dv]
-    delta: jax.Array  # [B, Hq, T]
-    # Row statistics of dS: sum_j dS_ij and sum_j |dS_ij|, before / after the dS cast.
-    ds_rowsum_pre: jax.Array  # [B, Hq, T]
-    ds_abssum_pre: jax.Array
-    ds_rowsum_post: jax.Array
-    ds_abssum_post: jax.Array
 
 
 @functools.partial(

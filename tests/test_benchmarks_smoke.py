@@ -103,15 +103,18 @@ def test_tune_accumulation_set_smoke(tmp_path):
 
 
 def test_tune_block_variants_are_valid():
-    """Every block-size variant the GPU sweeps would time is a valid BlockSizes that the
-    kernels accept for its head dim (no variant fails on a shape rule on the GPU)."""
+    """Every variant (tiles, Triton launch settings) the GPU sweeps would time is one the
+    Triton backend accepts for its head dim (no variant fails on a shape rule on the GPU)."""
     from benchmarks import tune
-    from pallas_kernels.fp8_attention import ops
+    from dm_jax import backends
+    from pallas_kernels.fp8_attention.api import AttentionSpec
 
+    triton = backends.get("triton")
     for which in ("blocks", "heads"):
-        for case, name, bs, with_fwd, with_bwd in tune.plan(which, smoke=False):
-            shape = (case.b, case.t, case.hq, case.dqk)
-            reason = ops.unsupported_reason(shape, shape[:3] + (case.dqk,), shape[:3] + (case.dv,),
-                                            jnp.bfloat16, bs)
+        for case, name, var, with_fwd, with_bwd in tune.plan(which, smoke=False):
+            q = jax.ShapeDtypeStruct((case.b, case.t, case.hq, case.dqk), jnp.bfloat16)
+            v = jax.ShapeDtypeStruct((case.b, case.s, case.hkv, case.dv), jnp.bfloat16)
+            spec = AttentionSpec(case.causal, "matched", "fp8", 0.1, var.tiles)
+            reason = triton.supported(q, q, v, spec, var.config)
             assert reason is None, (case.name, name, reason)
             assert with_fwd or with_bwd

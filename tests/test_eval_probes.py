@@ -5,6 +5,7 @@ import functools
 import numpy as np
 import pytest
 
+from dm_jax.numerics import DELTA_MODES
 from train.eval import cross_entropy, masking_probe, residual_probe, residual_ratio
 
 V = 16
@@ -58,7 +59,7 @@ def test_residual_probe_per_layer_and_mode():
         return dict(pre_cast=r / 100, post_cast=r)
 
     stats = residual_probe(lambda t, y: captured, row_sums, _batch())
-    assert [(s.layer, s.delta) for s in stats] == [(l, d) for l in (1, 5) for d in ("stale", "do_matched", "matched")]
+    assert [(s.layer, s.delta) for s in stats] == [(l, d) for l in (1, 5) for d in DELTA_MODES]
     assert all(seen_ == (True, False) for seen_ in seen)
     assert residual_ratio(stats) == {1: pytest.approx(6.0), 5: pytest.approx(6.0)}
     assert residual_ratio(stats, stage="pre_cast", numerator="do_matched") == {1: pytest.approx(3.0), 5: pytest.approx(3.0)}

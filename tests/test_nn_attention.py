@@ -2,6 +2,7 @@
 shapes, FP8 linear layers, and the cuDNN baselines' CPU behaviour."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,9 @@ import dm_jax.reference
 from dm_jax import baselines
 from dm_jax.nn import GQAttention, Linear, MLAttention, SwiGLU, dot_product_attention
 from dm_jax.nn.fp8 import fp8_dot_count as f8_dots
-from dm_jax.nn.attention_core import DELTA_ARMS
+from dm_jax.arms import DELTA_ARMS
+
+core_module = importlib.import_module("dm_jax.nn.attention_core")  # the package exports a function of that name
 
 
 def _spy(calls):
@@ -27,7 +30,7 @@ def _spy(calls):
 @pytest.mark.parametrize("arm", DELTA_ARMS + ("bf16",))
 def test_arm_reaches_dm_attention_with_its_delta(arm, monkeypatch):
   calls = []
-  monkeypatch.setattr(dm_jax, "attention", _spy(calls))
+  monkeypatch.setattr(core_module, "attention", _spy(calls))  # the op the core calls
   layer = GQAttention(32, num_heads=4, num_kv_heads=2, head_dim=16, arm=arm,
                       implementation="reference", rngs=nnx.Rngs(0))
   seg = jnp.zeros((2, 8), jnp.int32)

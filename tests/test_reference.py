@@ -1,7 +1,8 @@
 """The blockwise FP8/bf16 reference against high-precision attention, every feature.
 
 Tolerances (relative Frobenius error vs f32 attention, unit-normal inputs, random dO),
-measured worst over 3 seeds x the REFERENCE_CASES of shapes.py x causal/non-causal x
+measured worst over 3 seeds x the REFERENCE_CASES of pallas_kernels/fp8_attention/arg_specs.py x
+causal/non-causal x
 delta modes: fp8 forward 0.056, gradients 0.069; bf16 forward 0.0034, gradients 0.0043.
 The bounds below leave ~40% head-room over those measurements.
 """
@@ -15,8 +16,10 @@ from jax.test_util import check_grads
 import dm_jax
 from dm_jax import reference
 from dm_jax.diagnostics import row_sum_residuals
-from shapes import REFERENCE_CASES as PROBLEMS
-from shapes import Case as Problem
+from dm_jax.numerics import DELTA_MODES
+from pallas_kernels.fp8_attention.arg_specs import REFERENCE_CASES as PROBLEMS
+from pallas_kernels.fp8_attention.arg_specs import Case as Problem
+from pallas_kernels.fp8_attention.tiles import NumericsTiles
 
 TOL = {"fp8": (0.08, 0.10), "bf16": (0.006, 0.007)}  # (forward, gradients)
 
@@ -37,7 +40,7 @@ def test_fp8_and_bf16_track_high_precision(problem, causal):
     q, k, v, do = problem.arrays(seed=hash(problem.name) % 1000 + causal)
     want = fwd_and_grads(lambda q, k, v: reference.mha_reference(q, k, v, causal=causal), q, k, v, do)
     for precision, (tol_fwd, tol_grad) in TOL.items():
-        for delta in ("matched", "do_matched", "stale") if precision == "fp8" else ("matched",):
+        for delta in DELTA_MODES if precision == "fp8" else ("matched",):
             got = fwd_and_grads(
                 lambda q, k, v: dm_jax.attention(q, k, v, causal=causal, precision=precision, delta=delta),
                 q, k, v, do,
@@ -90,17 +93,14 @@ def test_check_grads_on_bf16_path():
     q, k, v, _ = Problem("cg", 1, 32, 32, 2, 1, 16, 16).arrays(seed=3)
 
     def f(q, k, v):
-        return dm_jax.attention(q, k, v, causal=True, precision="bf16", block_sizes=_small_blocks())
+        return dm_jax.attention(q, k, v, causal=True, precision="bf16", tiles=SMALL_TILES)
 
     # bf16 rounding makes the function piecewise constant at tiny steps: use a step of a
     # few bf16 ulps and a tolerance at bf16 level.
     check_grads(f, (q, k, v), order=1, modes=("rev",), eps=3e-2, atol=5e-2, rtol=5e-2)
 
 
-def _small_blocks():
-    from pallas_kernels.fp8_attention.config import BlockSizes
-
-    return BlockSizes(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
+SMALL_TILES = NumericsTiles(block_q=16, block_k=16, bwd_block_q=16, bwd_block_k=16)
 
 
 def test_nan_in_one_query_row_stays_in_that_row():
@@ -123,7 +123,7 @@ def test_inf_in_keys_propagates():
 def test_zero_row_sum_property(causal):
     """matched: pre-cast row sums at FP32 rounding; stale at FP8 error; do_matched between."""
     q, k, v, do = PROBLEMS[0].arrays(seed=21 + causal)
-    res = {d: row_sum_residuals(q, k, v, do, causal=causal, delta=d) for d in ("matched", "do_matched", "stale")}
+    res = {d: row_sum_residuals(q, k, v, do, causal=causal, delta=d) for d in DELTA_MODES}
     pre = {d: np.asarray(r["pre_cast"]) for d, r in res.items()}
     assert pre["matched"].max() <= 1e-6
     assert np.median(pre["stale"]) > 1e-3  # FP8 error level

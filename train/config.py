@@ -18,9 +18,10 @@ import json
 import os
 from typing import Any, Optional, Sequence
 
+from dm_jax.arms import ARM_NAMES as ATTENTION_ARMS
+from dm_jax.backends import IMPLEMENTATIONS
+
 DEFAULT_FAMILY = "gdn_gqa"
-ATTENTION_ARMS = ("reference", "bf16", "matched", "do_matched", "stale", "cudnn_fp8", "cudnn_bf16")
-IMPLEMENTATIONS = ("pallas", "pallas_interpret", "reference")
 OPTIMIZERS = ("adamw", "muon")
 PACKINGS = ("segments", "concat")
 TOKENIZERS = ("byte", "tiktoken")

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dm_jax.arms import ARMS
 from train import checkpoint as ckpt_lib
 from train import config as config_lib
 from train import data as data_lib
@@ -153,7 +154,7 @@ def _probe_metrics(hooks, model, cfg, batch) -> dict:
     n = min(2, batch["tokens"].shape[0])
     segments = batch["segments"][:n] if cfg.data.packing == "segments" else None
     probes = hooks.attention_probe(model, batch["tokens"][:n], batch["targets"][:n], segment_ids=segments)
-    delta = model_lib.PROBE_DELTA.get(cfg.attention, "stale")
+    delta = ARMS[cfg.attention].probe_delta
     impl = dict(cfg.model.overrides).get("attention_implementation")
     residuals = {layer: hooks.row_sum_residuals(p["q"], p["k"], p["v"], p["do"], causal=True, delta=delta,
                                                 segment_ids=segments, implementation=impl)

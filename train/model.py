@@ -12,10 +12,6 @@ from typing import Callable, Optional
 
 from flax import nnx
 
-# Attention arm -> the delta mode whose dS row sums the residual probe measures.
-PROBE_DELTA = {"matched": "matched", "do_matched": "do_matched", "stale": "stale"}
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelHooks:
     """build(run_config) -> nnx.Module with `model(tokens_BT, *, segment_ids=None) -> logits_BTV`;

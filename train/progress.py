@@ -7,6 +7,8 @@ from rich.console import Console as RichConsole
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from dm_jax.backends import default_implementation
+
 
 def _count_params(model) -> int:
     from flax import nnx
@@ -30,8 +32,7 @@ class Console:
     def start(self, cfg, splits, *, hooks_model, first_step: int, last_step: int) -> None:
         if not self.enabled:
             return
-        impl = dict(cfg.model.overrides).get("attention_implementation") or (
-            "pallas" if jax.default_backend() == "gpu" else "reference")
+        impl = dict(cfg.model.overrides).get("attention_implementation") or default_implementation()
         self.console.print(
             f"[bold]{cfg.model.name}[/bold] ({_count_params(hooks_model) / 1e6:.2f}M params), "
             f"attention [bold]{cfg.attention}[/bold] ({impl}), {cfg.optimizer.name}, "

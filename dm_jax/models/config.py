@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from dm_jax.nn.attention_core import ARMS, DEFAULT_CORE_PRECISION, FP8_ARMS, check_arm
+from dm_jax.arms import ARMS, FP8_ARMS, check_arm
+from dm_jax.backends import IMPLEMENTATIONS
 
 MIXER_KINDS = ("gdn", "mamba2", "kda")
 ATTENTION_KINDS = ("attn", "mla")
 LAYER_KINDS = MIXER_KINDS + ATTENTION_KINDS
-IMPLEMENTATIONS = (None, "reference", "pallas", "pallas_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +71,9 @@ class HybridConfig:
     bad = [k for k in self.pattern if k not in LAYER_KINDS]
     if not self.pattern or bad:
       raise ValueError(f"pattern: layer kinds must be in {LAYER_KINDS}, got {self.pattern}")
-    if self.attention not in ARMS:
-      raise ValueError(f"attention: must be one of {ARMS}, got {self.attention!r}")
     check_arm(self.attention, self.attn_core)
-    if self.attention_implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"attention_implementation: must be one of {IMPLEMENTATIONS}, "
+    if self.attention_implementation not in (None,) + IMPLEMENTATIONS:
+      raise ValueError(f"attention_implementation: must be None or one of {IMPLEMENTATIONS}, "
                        f"got {self.attention_implementation!r}")
     for name in ("ffn", "attn_proj"):
       val = getattr(self, name)
@@ -105,7 +103,7 @@ class HybridConfig:
 
   @property
   def attn_core_precision(self) -> str:
-    return self.attn_core or DEFAULT_CORE_PRECISION[self.attention]
+    return self.attn_core or ARMS[self.attention].precisions[0]
 
   @property
   def mamba_num_heads(self) -> int:

@@ -1,7 +1,8 @@
 """Flax NNX layers: attention (GQA, MLA) with selectable cores, linear-recurrent mixers
 (Gated DeltaNet, Mamba-2, KDA), SwiGLU MLP, FP8 linear layers."""
 from dm_jax.nn.attention import GQAttention, MLAttention
-from dm_jax.nn.attention_core import ARMS, attention_core, dot_product_attention
+from dm_jax.arms import ARMS
+from dm_jax.nn.attention_core import attention_core, dot_product_attention
 from dm_jax.nn.fp8 import Linear, RMSNorm, fp8_matmul
 from dm_jax.nn.gated_deltanet import GatedDeltaNet
 from dm_jax.nn.kda import KimiDeltaAttention

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dm_jax.nn.attention_core import attention_core, check_arm
+from dm_jax.arms import check_arm
+from dm_jax.nn.attention_core import attention_core
 from dm_jax.nn.fp8 import Linear, RMSNorm
 from dm_jax.nn.sequence import apply_rope, positions
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-DELTA_MODES = ("stale", "do_matched", "matched")
+from dm_jax.numerics import DELTA_MODES
 
 
 def _token_nll(logits_BTV, targets_BT) -> np.ndarray:

@@ -11,7 +11,7 @@ from typing import Optional
 
 import jax
 
-from train.config import ATTENTION_ARMS as ARMS
+from dm_jax.arms import ARM_NAMES as ARMS
 from train.eval.suite import RulerConfig
 
 DEFAULT_ARMS = ("reference", "stale", "do_matched", "matched", "cudnn_fp8")

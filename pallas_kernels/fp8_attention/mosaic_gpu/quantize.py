@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from dm_jax import numerics
+from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.mosaic_gpu import regroup
 
 BLOCK = numerics.SCALE_BLOCK

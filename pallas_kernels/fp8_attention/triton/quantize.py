@@ -1,6 +1,6 @@
 """Quantize pre-pass: bf16/f32 -> E4M3 (or bf16) tiles for the attention kernels.
 
-An XLA-fused pass that calls :func:`dm_jax.numerics.quantize_tokens` (one power-of-two
+An XLA-fused pass that calls :func:`..numerics.quantize_tokens` (one power-of-two
 scale per (batch, head, 128-token block), over the whole head dim) and lays the result
 out the way the kernels read it:
 
@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from dm_jax import numerics
+from pallas_kernels.fp8_attention import numerics
 
 
 class QuantizedTensor(NamedTuple):

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.fp8_attention import fp8_accumulation
+from pallas_kernels.fp8_attention.triton import fp8_accumulation
 
 F32 = jnp.float32
 

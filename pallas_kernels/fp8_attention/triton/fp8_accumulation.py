@@ -4,7 +4,7 @@ Pallas emits ``tt.dot`` without ``max_num_imprecise_acc``. For FP8 operands with
 result Triton then refuses Hopper's FP8 tensor-core instruction (wgmma) and lowers the dot
 to the Ampere-style ``mma.sync`` in fp16 after converting both operands (PTX census,
 docs/benchmarks.md "What the kernels compile to"). Asking for ``max_num_imprecise_acc``
->= 32 gives FP8 wgmma. The modes (``BlockSizes.fp8_accumulation``):
+>= 32 gives FP8 wgmma. The modes (``TritonConfig.fp8_accumulation``, config.py):
 
 * ``"precise"``: no request; fp16 ``mma.sync``, exact FP32 accumulation, slowest.
 * ``"promote32"``: FP8 wgmma; Triton adds each k32 instruction's partial sum into the

@@ -22,9 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from dm_jax import numerics
-from pallas_kernels.fp8_attention import common
-from pallas_kernels.fp8_attention.common import F32, MaskSpec
+from pallas_kernels.fp8_attention import numerics
+from pallas_kernels.fp8_attention.triton import common
+from pallas_kernels.fp8_attention.triton.common import F32, MaskSpec
 
 
 def _ds_tile(p, dp, delta, precision):

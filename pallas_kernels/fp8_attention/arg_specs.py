@@ -1,5 +1,8 @@
-"""Attention problem shapes shared by the kernel tests (CPU, interpret mode) and the GPU
-benchmarks (benchmarks/correctness.py, benchmarks/attention.py)."""
+"""Attention problems (arg specs) of the op, shared by the tests of every backend (CPU,
+interpret mode) and the GPU benchmarks (benchmarks/correctness.py, attention.py, passes.py,
+tune.py): shapes, masking, delta mode and precision, and their random inputs.
+"""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +12,6 @@ import jax
 import jax.numpy as jnp
 
 HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (192, 128))  # (Dqk, Dv) we support and test
-DELTA_MODES = ("matched", "do_matched", "stale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,9 @@ class Case:
     def shrunk(self):
         """The same problem at [1, 256 tokens, 2 query heads] (GQA stays grouped): the size
         at which the GPU scripts' --smoke modes run on a CPU."""
-        return dataclasses.replace(self, b=1, t=256, s=256, hq=2, hkv=2 if self.hkv == self.hq else 1)
+        return dataclasses.replace(
+            self, b=1, t=256, s=256, hq=2, hkv=2 if self.hkv == self.hq else 1
+        )
 
     @property
     def flops_fwd(self):
@@ -70,13 +74,38 @@ KERNEL_CASES = (
     # GQA, causal, T != S (cross lengths), stale delta
     Case("gqa_causal_cross", 1, 150, 230, 4, 2, 64, 64, causal=True, delta="stale"),
     # MLA head dims (192 / 128), MQA, packed segments + causal, dO-matched delta
-    Case("mqa_mla_segments", 2, 192, 192, 2, 1, 192, 128, causal=True, segment_len=70,
-         delta="do_matched"),
+    Case(
+        "mqa_mla_segments",
+        2,
+        192,
+        192,
+        2,
+        1,
+        192,
+        128,
+        causal=True,
+        segment_len=70,
+        delta="do_matched",
+    ),
     # head dim 128 through the bf16 path; causal without padding (unmasked interior tiles)
-    Case("d128_bf16_causal", 1, 128, 128, 2, 1, 128, 128, causal=True, delta="matched",
-         precision="bf16"),
+    Case(
+        "d128_bf16_causal",
+        1,
+        128,
+        128,
+        2,
+        1,
+        128,
+        128,
+        causal=True,
+        delta="matched",
+        precision="bf16",
+    ),
     # head dim 256, causal
     Case("d256_causal", 1, 96, 96, 1, 1, 256, 256, causal=True, delta="matched"),
+    # odd everything: 7 queries, 13 keys, a group of 3 query heads, head dims 32 / 48 (not
+    # powers of two), batch 2, causal with T < S
+    Case("odd_tiny", 2, 7, 13, 3, 1, 32, 48, causal=True, delta="matched"),
 )
 
 
@@ -95,8 +124,21 @@ def gpu_cases(t: int, causal: bool, delta: str, head_dims=HEAD_DIMS, precision="
     out = []
     for dqk, dv in head_dims:
         hq = 16 if max(dqk, dv) <= 128 else 8
-        out.append(Case(f"T{t}_d{dqk}_{dv}{'_causal' if causal else ''}", b, t, t, hq, hq // 2,
-                        dqk, dv, causal=causal, delta=delta, precision=precision))
+        out.append(
+            Case(
+                f"T{t}_d{dqk}_{dv}{'_causal' if causal else ''}",
+                b,
+                t,
+                t,
+                hq,
+                hq // 2,
+                dqk,
+                dv,
+                causal=causal,
+                delta=delta,
+                precision=precision,
+            )
+        )
     return out
 
 

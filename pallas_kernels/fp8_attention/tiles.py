@@ -1,0 +1,83 @@
+"""The tiles that change results: backend-neutral, honoured by every backend.
+
+FP8 attention has two kinds of tile sizes. Launch settings (warps, stages, how a backend
+splits work among warps) change speed only; they live in each backend's config
+(``triton/config.py``, ``mosaic_gpu/config.py``). The sizes below change the numbers:
+
+* ``SCALE_BLOCK`` (128 tokens, :mod:`.numerics`): one power-of-two scale per (batch, head,
+  block) of Q, K, V and dO. Fixed: every token tile divides it.
+* ``bwd_block_q x bwd_block_k``: the dS scale tile. dS = P (dP^ - delta) gets one dynamic
+  scale per (query tile, key tile) before its FP8 cast; the matched delta's pre-pass forms
+  dP^ on the same tiles. A backend must use exactly this tile for the dS scale (its own
+  compute tile may be larger if it applies one scale per sub-tile).
+* ``block_q x block_k``: the forward tiles. They decide the order of the online-softmax
+  updates (FP32 rounding only); the pure-JAX emulation (``dm_jax.reference``) mirrors them so
+  a backend that uses them matches it to FP32 rounding, tile for tile.
+
+The emulation takes a :class:`NumericsTiles`; so does every backend (``AttentionSpec.tiles``).
+The defaults per head dim come from the H200 sweep in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.fp8_attention import numerics
+
+
+@dataclasses.dataclass(frozen=True)
+class NumericsTiles:
+    """Token tiles (forward and backward) that define the numbers of one attention call.
+
+    Each is a power of two in [16, SCALE_BLOCK], so it divides the 128-token scale block.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    bwd_block_q: int = 64  # dS scale tile: queries
+    bwd_block_k: int = 64  # dS scale tile: keys
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, int)
+                or value < 16
+                or value & (value - 1)
+                or numerics.SCALE_BLOCK % value
+            ):
+                raise ValueError(
+                    f"{name} must be a power of two in [16, {numerics.SCALE_BLOCK}] "
+                    f"(it must divide the {numerics.SCALE_BLOCK}-token scale block), got {value!r}"
+                )
+
+    @property
+    def ds_tile(self) -> tuple:
+        """(queries, keys) of one dS scale."""
+        return self.bwd_block_q, self.bwd_block_k
+
+
+# Widest head dim -> forward (block_q, block_k), backward (bwd_block_q, bwd_block_k).
+# Measured on the H200 with the Triton backend (docs/benchmarks.md "Block sizes per head
+# dim", 2026-11-29, [4, 4096, 16, D]); the launch settings of the same sweep are in
+# triton/config.py.
+_DEFAULTS = (
+    (64, (64, 128), (64, 64)),
+    (128, (64, 128), (64, 64)),
+    (192, (64, 64), (64, 32)),  # MLA: Dqk 192, Dv 128
+    (256, (64, 64), (64, 64)),
+)
+
+
+def head_dim_row(table, head_dim_qk: int, head_dim_v: int) -> tuple:
+    """The entries of the row of ``table`` ((limit, *entries) rows, limits ascending) with
+    the smallest limit >= the widest head dim (the last row for wider ones, which no Pallas
+    backend runs). Every default table per head dim is read this way."""
+    widest = max(head_dim_qk, head_dim_v)
+    return next((row for row in table if widest <= row[0]), table[-1])[1:]
+
+
+def default_tiles(head_dim_qk: int, head_dim_v: int) -> NumericsTiles:
+    """The default tiles for these head dims."""
+    fwd, bwd = head_dim_row(_DEFAULTS, head_dim_qk, head_dim_v)
+    return NumericsTiles(block_q=fwd[0], block_k=fwd[1], bwd_block_q=bwd[0], bwd_block_k=bwd[1])
