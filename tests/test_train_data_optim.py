@@ -113,3 +113,18 @@ def test_schedule_and_clipping():
     g = {"w": jnp.full((4,), 10.0)}
     out, _ = tx.update(g, tx.init(g))
     assert float(optax.global_norm(out)) == pytest.approx(0.5, rel=1e-5)
+
+
+def test_small_text_folder_splits_by_tokens(tmp_path):
+    """A few files, none of which hashes into validation: the stream's tail is validation."""
+    names = [f"notes{i}.txt" for i in range(7)]
+    assert not any(data_lib._is_validation(n, 0.02) for n in names)  # the case being tested
+    for i, n in enumerate(names):
+        (tmp_path / n).write_text(f"note {i}: " + "lorem ipsum dolor sit amet " * 500)
+    s = data_lib.load_splits(_cfg(source=str(tmp_path)))
+    total = len(s.train) + len(s.val)
+    assert len(s.val) == int(total * 0.02) and "last 2%" in s.description
+    assert total == sum(len(open(tmp_path / n, "rb").read()) + 1 for n in names)  # nothing lost
+    run = config_lib.parse_args(["--data", str(tmp_path), "--run-dir", str(tmp_path / "run")])
+    train, val = data_lib.make_batches(run, s)  # the default tiny batch fits both splits
+    assert val.batch(0)["tokens"].shape == (8, 128) and train.num_windows > val.num_windows
