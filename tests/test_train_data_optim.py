@@ -115,6 +115,24 @@ def test_schedule_and_clipping():
     assert float(optax.global_norm(out)) == pytest.approx(0.5, rel=1e-5)
 
 
+@pytest.mark.parametrize("at", [1, 5, 60, 100])  # in warmup, at its end, mid-decay, after the end
+def test_schedule_extension_is_continuous(at):
+    cfg = config_lib.OptimizerConfig(learning_rate=1.0, warmup_steps=5, min_lr_ratio=0.1)
+    before = optim.schedule(cfg, 100, 1.0)
+    after = optim.schedule(cfg, 200, 1.0, extensions=((at, 100),))
+    for s in range(at + 1):  # the steps already taken keep their rates
+        assert float(after(s)) == pytest.approx(float(before(s)), rel=1e-6), s
+    rates = np.array([float(after(s)) for s in range(at, 201)])
+    assert rates[-1] == pytest.approx(0.1, rel=1e-5)  # the floor at the new total
+    past_peak = rates[max(0, 5 - at):]
+    assert np.all(np.diff(past_peak) <= 1e-7)  # decays from there, never jumps back up
+    assert np.max(np.abs(np.diff(rates))) <= 0.21  # no jump bigger than a warmup step (0.2)
+    # A second extension continues from the first one's curve.
+    again = optim.schedule(cfg, 300, 1.0, extensions=((at, 100), (150, 200)))
+    assert float(again(150)) == pytest.approx(float(after(150)), rel=1e-6)
+    assert float(again(300)) == pytest.approx(0.1, rel=1e-5) and float(again(151)) <= float(again(150))
+
+
 def test_small_text_folder_splits_by_tokens(tmp_path):
     """A few files, none of which hashes into validation: the stream's tail is validation."""
     names = [f"notes{i}.txt" for i in range(7)]
