@@ -1,5 +1,6 @@
 """`python -m train` and `python -m train.plot` end to end with the real hybrid model."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,12 +51,74 @@ def test_cli_trains_the_default_hybrid_and_plots(tmp_path):
     (["--fresh-optimizer"], "--fresh-optimizer"),
     (["--resume", "--init-from", "x"], "--init-from"),
     (["--tokenizer", "tiktoken"], "--tiktoken"),
+    # Zero and negative values are errors, never "use the default".
+    (["--batch-size", "0"], "--batch-size"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--stop-at", "-3"], "--stop-at"),
+    (["--stop-at", "0"], "--stop-at"),
+    (["--eval-batches", "0"], "--eval-batches"),
+    (["--seed", "-1"], "--seed"),
+    (["--head-dim", "0"], "--head-dim"),
+    (["--adam-lr-ratio", "0"], "--adam-lr-ratio"),
+    (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--resume"], "--resume"),
+    (["--resume", "--run-dir", "/no/such/run"], "--resume"),
 ])
 def test_bad_flags_fail_before_compute_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         config_lib.parse_args(argv)
     assert e.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_tiktoken_without_the_extra_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # as on an install without .[bpe]
+    with pytest.raises(SystemExit) as e:
+        config_lib.parse_args(["--tiktoken", "gpt2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--tiktoken" in err and "pip install -e '.[bpe]'" in err
+    assert "Traceback" not in err
+
+
+def test_help_lists_presets_and_their_defaults(capsys):
+    from dm_jax import models
+
+    with pytest.raises(SystemExit):
+        config_lib.parse_args(["--help"])
+    out = capsys.readouterr().out
+    for name in models.FAMILIES + models.SIZES:
+        assert name in out, name
+    for size, d in config_lib.SIZE_DEFAULTS.items():  # one row of defaults per size
+        row = next(line.split() for line in out.splitlines() if line.split()[:1] == [size])
+        assert row[1:5] == [str(d["batch_size"]), str(d["seq_len"]), str(d["steps"]), f"{d['learning_rate']:g}"]
+
+
+def test_resume_takes_the_saved_config(tmp_path):
+    saved = config_lib.parse_args(["--preset", "gdn_mla-tiny", "--lr", "1e-3", "--seq-len", "64",
+                                   "--optimizer", "muon", "--run-dir", str(tmp_path)])
+    saved.save(str(tmp_path))
+    resumed = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path)])
+    assert resumed.compat_dict() == saved.compat_dict() and resumed.resume
+    more = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path), "--steps", "900", "--log-every", "5"])
+    assert (more.steps, more.log_every, more.seq_len, more.optimizer.name) == (900, 5, 64, "muon")
+    assert more.optimizer.warmup_steps == saved.optimizer.warmup_steps  # not re-derived from --steps
+    clash = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path), "--attention", "stale"])
+    with pytest.raises(ValueError, match=r"model.overrides.attention: 'matched' -> 'stale' \(--attention\)"):
+        config_lib.check_compatible(saved, clash)
+    stopped = dataclasses.replace(saved, stop_at=3)  # --stop-at belongs to one invocation
+    stopped.save(str(tmp_path))
+    assert config_lib.parse_args(["--resume", "--run-dir", str(tmp_path)]).stop_at is None
+
+
+def test_every_flag_maps_to_config_fields():
+    dests = {a.dest for a in config_lib.build_parser()._actions if a.dest != "help"}
+    assert dests == set(config_lib.FLAG_FIELDS)
+    fields = set(config_lib._flatten(config_lib._tree(config_lib.parse_args(["--run-dir", "x"]))))
+    for dest, paths in config_lib.FLAG_FIELDS.items():
+        assert set(paths) <= fields | {p for p in paths if p.startswith("model.overrides.")}, dest
 
 
 def test_presets_and_arms_resolve():
