@@ -3,9 +3,13 @@
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import jax
+import numpy as np
 import pytest
 
 from train import config as config_lib
@@ -121,6 +125,15 @@ def test_every_flag_maps_to_config_fields():
         assert set(paths) <= fields | {p for p in paths if p.startswith("model.overrides.")}, dest
 
 
+def test_one_line_errors_for_the_run_dir(tmp_path, capsys):
+    from train.__main__ import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(["--run-dir", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --run-dir") and "is a file" in err
+
+
 def test_presets_and_arms_resolve():
     cfg = config_lib.parse_args(["--preset", "gdn_mla-small", "--attention", "stale", "--seq-len", "256"])
     assert cfg.model.family == "gdn_mla" and cfg.model.size == "small" and cfg.seq_len == 256
@@ -143,7 +156,83 @@ def test_cli_resume_is_bit_exact_with_the_hybrid(tmp_path):
     assert half.returncode == 0, half.stderr[-3000:]
     refused = _run("train", *common, "--run-dir", str(tmp_path / "b"))  # no --resume: refused
     assert refused.returncode == 2 and "--resume" in refused.stderr
-    resumed = _run("train", *common, "--resume", "--run-dir", str(tmp_path / "b"))
+    resumed = _run("train", "--resume", "--run-dir", str(tmp_path / "b"))  # the saved flags
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(d / "metrics.jsonl"))]  # noqa: E731
     assert rows(tmp_path / "a") == rows(tmp_path / "b") and len(rows(tmp_path / "a")) == 4
+    # The checkpoint holds the model's parameters under their names: orbax alone reads it.
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from train import loop
+
+    named = ocp.StandardCheckpointer().restore(str(tmp_path / "b" / "checkpoints" / "4" / "params"))
+    model, _ = loop.load_model(str(tmp_path / "b"))
+    np.testing.assert_array_equal(named["layers"]["3"]["mixer"]["q_norm"]["scale"],
+                                  np.asarray(model.layers[3].mixer.q_norm.scale.get_value()))
+    np.testing.assert_array_equal(named["embed"]["embedding"], np.asarray(model.embed.embedding.get_value()))
+    assert len(jax.tree.leaves(named)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+_LONG_STEP = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import jax, numpy as np
+from test_train_standin import HOOKS, tiny_config
+from train import loop
+
+make = loop.make_step_fns
+
+
+def make_with_a_long_step(*args, **kwargs):
+    step, evaluate = make(*args, **kwargs)
+    calls = [0]
+
+    def sleep_in_xla(x):  # a device call that keeps the main thread inside XLA
+        open({marker!r}, "w").close()
+        time.sleep(600)
+        return x
+
+    slow = jax.jit(lambda x: jax.pure_callback(sleep_in_xla, jax.ShapeDtypeStruct((), np.int32), x))
+
+    def stepper(*a):
+        calls[0] += 1
+        out = step(*a)
+        if calls[0] == 5:
+            jax.block_until_ready(slow(np.int32(0)))
+        return out
+
+    return stepper, evaluate
+
+
+loop.make_step_fns = make_with_a_long_step
+cfg = tiny_config({run_dir!r}, steps=6, ckpt_every=2, eval_every=0, probe_every=0, log_every=1)
+loop.train(cfg, progress=False, hooks=HOOKS)
+"""
+
+
+def test_second_signal_stops_a_long_step_at_once(tmp_path):
+    """The main thread is stuck in XLA (a 10-minute step): the first SIGTERM is acknowledged at
+    once, the second ends the process at once, naming the checkpoint the run resumes from."""
+    marker, run_dir = tmp_path / "in_long_step", tmp_path / "run"
+    script = _LONG_STEP.format(tests=os.path.join(ROOT, "tests"), marker=str(marker), run_dir=str(run_dir))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no long step"
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2)
+        assert proc.poll() is None  # the first signal waits for the step to end...
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=10)  # ...the second does not
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM: stopping after the current step" in err and "SIGTERM again: stopping now" in err
+    assert f"resumes from its checkpoint at step 4: python -m train --resume --run-dir {run_dir}" in err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
