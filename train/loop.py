@@ -30,6 +30,7 @@ from train import config as config_lib
 from train import data as data_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
+from train import memory as memory_lib
 from train import optim, parallel, progress as progress_lib
 
 
@@ -305,8 +306,8 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
     """Trains (or resumes) the run described by `run_config`; writes config.json, metrics.jsonl,
     tensorboard/ and checkpoints/ under `run_config.run_dir`.
 
-    Everything that can be checked is checked before the run dir is created (flags, data);
-    a new run dir that fails before its first step is removed again."""
+    Everything that can be checked is checked before the run dir is created (flags, data,
+    memory estimate); a new run dir that fails before its first step is removed again."""
     cfg, hooks = run_config, hooks or model_lib.default_hooks()
     if cfg.distributed:
         parallel.initialize_distributed()
@@ -317,6 +318,8 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
 
     splits = data_lib.load_splits(cfg.data)
     train_batches, val_batches = data_lib.make_batches(cfg, splits)
+    if not cfg.skip_memory_check:
+        console.note(memory_lib.check(cfg, hooks.build, mesh))
     model, graphdef, params, rest = _model_state(cfg, hooks)
     model_vocab = getattr(getattr(model, "config", None), "vocab_size", splits.vocab_size)
     if model_vocab < splits.vocab_size:
