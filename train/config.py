@@ -417,13 +417,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
 
     With `--resume`, the run's saved config.json supplies every flag not given here."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # malformed flags: argparse's usage and error, exit 2
     try:
         if not args.resume:
             return _from_args(args)
         return _resume_from_args(args, given_flags(build_parser(), argv))
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # a bad value: one line naming the flag, exit 2
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
 def _resume_from_args(args, given: set[str]) -> RunConfig:

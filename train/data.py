@@ -60,8 +60,9 @@ class TiktokenTokenizer:
             else:
                 self._enc = tiktoken.get_encoding(name_or_path)
         except (ValueError, OSError, KeyError) as e:  # unknown name, no network, a bad ranks file
+            reason = (str(e).splitlines() or [""])[0][:160]
             raise ValueError(f"--tiktoken {name_or_path!r}: cannot load the encoding "
-                             f"({type(e).__name__}: {e})") from e
+                             f"({type(e).__name__}: {reason})") from e
         self.eos_id = self._enc.n_vocab
         self.vocab_size = self._enc.n_vocab + 1
 
