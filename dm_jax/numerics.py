@@ -17,6 +17,7 @@ that Pallas kernels can call the same code on their tiles.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -84,6 +85,37 @@ def quantize(x, scale, dtype=FP8_DTYPE):
     # Inf would be clipped to the max (silently hiding it): encode it as NaN.
     y = jnp.where(jnp.abs(y) == jnp.inf, jnp.nan, clipped)
     return y.astype(dtype)
+
+
+def fixed_order_sum(x):
+    """Sum over the last axis in one fixed order: a balanced tree of two-element adds.
+
+    ``jnp.sum`` lets XLA pick the order (vector width, fusion), so two programs that sum
+    the same numbers can round differently, and a 1-ulp difference in delta flips FP8
+    roundings of dS downstream. Element-wise adds are never reassociated, so this order
+    is the same in every program and on every CPU; padding to a power of two adds exact
+    zeros.
+    """
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x[..., 0]
+
+
+@jax.jit
+def row_dot(a, b):
+    """``sum_d a_d b_d`` over the last axis in f32, in :func:`fixed_order_sum`'s order.
+
+    Jitted as one unit so that an eager caller (a backward run op by op under
+    ``jax.grad``) and a traced one fuse it alike: with the multiply fused into the first
+    adds, a CPU with FMA contracts both programs the same way. Used for every softmax
+    delta that both the kernels' CPU twin and the emulation compute, so the two agree
+    to the bit.
+    """
+    return fixed_order_sum(a.astype(jnp.float32) * b.astype(jnp.float32))
 
 
 def upcast(x8):

@@ -202,7 +202,7 @@ def _rowsum_delta(do8_tiles, do, o, delta, hkv, block_q):
         vals = numerics.upcast(do8_tiles.values) * do8_tiles.inv_scale[..., None, None]
         b, _, g, nq, bq, d = vals.shape
         do_f = vals.reshape(b, hkv * g, nq * bq, d)[:, :, : o_f.shape[2]]
-    rows = jnp.sum(do_f * o_f, axis=-1)  # [B, Hq, T]
+    rows = numerics.row_dot(do_f, o_f)  # [B, Hq, T], the kernels' fixed order
     rows, _ = _pad_tokens(rows[..., None], block_q)
     b, hq = rows.shape[:2]
     return _group_queries(rows[..., 0].reshape(b, hq, -1, block_q), hkv)
@@ -258,7 +258,8 @@ def flash_backward(
     n_k = tiles.k.values.shape[2]
     if delta == "matched":
         def delta_step(acc, j):
-            return acc + jnp.sum(probs(j) * dp_hat(j), axis=-1), None
+            # the fixed order of the kernels' CPU twin: bitwise the same delta
+            return acc + numerics.row_dot(probs(j), dp_hat(j)), None
 
         delta_t, _ = lax.scan(delta_step, jnp.zeros(lse_t.shape, jnp.float32), jnp.arange(n_k))
     else:

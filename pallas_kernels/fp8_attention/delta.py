@@ -37,13 +37,14 @@ def row_dot_delta(mode: str, do_BTHD, o_BTHD, do8, tp: int):
         do = numerics.upcast(do8.values[:, :, :t, :dv]) * do8.inv_scale[:, :, :t, None]
     else:
         raise ValueError(f"row_dot_delta: mode must be 'stale' or 'do_matched', got {mode!r}")
-    rows = jnp.sum(do * o, axis=-1)
+    rows = numerics.row_dot(do, o)  # the emulation sums in the same fixed order
     return jnp.pad(rows, ((0, 0), (0, 0), (0, tp - t)))
 
 
 def _matched_delta_kernel(
     q_ref, inv_q_ref, k_ref, inv_k_ref, do_ref, inv_do_ref, v_ref, inv_v_ref, lse_ref, *rest,
     mask: MaskSpec, sm_scale: float, block_q: int, block_k: int, n_k: int,
+    fixed_order: bool,
 ):
     if mask.segments:
         q_seg_ref, kv_seg_ref, delta_ref = rest
@@ -66,7 +67,9 @@ def _matched_delta_kernel(
             q8, inv_q, k_ref[keys, :], inv_k_ref[keys], do8, inv_do, v_ref[keys, :],
             inv_v_ref[keys], lse, valid, sm_scale,
         )
-        return acc + jnp.sum(p * dp, axis=1)  # delta_i += sum_j P_ij dP^_ij
+        # delta_i += sum_j P_ij dP^_ij. The CPU twin sums in the emulation's fixed order
+        # (bitwise the same delta); the GPU uses the hardware's row reduction.
+        return acc + (numerics.row_dot(p, dp) if fixed_order else jnp.sum(p * dp, axis=1))
 
     init = jnp.zeros((block_q,), F32)
     delta_ref[...] = common.key_loop(body, init, i, block_q, block_k, n_k, mask)
@@ -96,7 +99,7 @@ def matched_delta(
         args += [q_seg, kv_seg]
     kernel = functools.partial(
         _matched_delta_kernel, mask=mask, sm_scale=sm_scale, block_q=block_q,
-        block_k=block_k, n_k=sp // block_k,
+        block_k=block_k, n_k=sp // block_k, fixed_order=interpret,
     )
     return pl.pallas_call(
         kernel,

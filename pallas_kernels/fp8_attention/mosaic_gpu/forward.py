@@ -1,0 +1,318 @@
+"""Mosaic GPU forward kernel: FA3-style warp specialization, both dots in FP8 e4m3.
+
+One CTA per (query head, 128 query rows, batch): two consumer warpgroups of 64 query rows
+each and one producer warpgroup that streams K tiles [128, Dqk], V^T tiles [Dv, 128]
+and their decode factors into a ring of shared-memory stages with TMA.
+
+Per key tile j (128 keys: one scale block, so one K and one V decode factor), in log2
+units (c = sm_scale * log2(e)), for the 64 rows of a consumer warpgroup:
+    S2   = (Q8 K8_j^T) * (c inv_q inv_k_j)               wgmma, A = Q from shared memory
+    S2   = -inf where masked (causal, segments, padded keys)
+    m'   = max(m, rowmax S2);   alpha = 2^(m - m')
+    P256 = 2^(S2 - m' + 8)      (= 256 P: P's fixed FP8 scale folded into the exponent)
+    l    = alpha l + rowsum P256
+    acc  = alpha acc + (P256^ V8_j) * inv_v_j             wgmma, A = P^ from registers
+    O = acc / l,   lse = (m + log2(l) - 8) ln 2   (rows that see no key: O = 0, lse = +inf)
+P256 is cast to e4m3 in registers and regrouped into the 8-bit operand layout
+(:mod:`.regroup`); V^T arrives with its tokens permuted to match.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8_attention.mosaic_gpu import regroup
+from pallas_kernels.fp8_attention.mosaic_gpu.quantize import BLOCK, ROWS
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+P_EXPONENT = 8.0  # log2 of P's fixed scale 256
+WARPGROUPS = 2  # consumer warpgroups per CTA
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardMask:
+    """Static mask settings: real lengths, causality, segments."""
+
+    t: int
+    s: int
+    causal: bool
+    segments: bool
+
+
+def fp8_transforms(cols: int):
+    """Shared-memory tiling + swizzle of an e4m3 tile whose rows hold ``cols`` bytes."""
+    swizzle = 128 if cols % 128 == 0 else 64
+    return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+
+
+def out_transforms(dtype):
+    """Tiling + swizzle of an output tile (128-byte rows)."""
+    per_row = 128 // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, per_row)), plgpu.SwizzleTransform(128))
+
+
+SMEM_BYTES = 232_448  # per CTA on the H200 (HOPPER_FP8.md)
+
+
+def smem_bytes(stages: int, dqk: int, dv: int, out_dtype) -> int:
+    """Shared memory of one CTA: Q and O tiles per consumer warpgroup, K / V^T stages."""
+    per_wg = ROWS * (dqk + dv * jnp.dtype(out_dtype).itemsize + 12)
+    per_stage = BLOCK * (dqk + dv) + 2 * ROWS * 4 + BLOCK * 4
+    return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
+
+
+def fitting_stages(stages: int, n_k: int, dqk: int, dv: int, out_dtype) -> int:
+    """The most K/V stages <= ``stages`` (and <= the key tiles) that fit in shared memory."""
+    stages = max(1, min(stages, n_k))
+    while stages > 1 and smem_bytes(stages, dqk, dv, out_dtype) > SMEM_BYTES:
+        stages -= 1
+    return stages
+
+
+def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: ForwardMask,
+            sm_scale: float, stages: int, out_dtype, interpret: bool = False):
+    """Run the forward kernel on quantized, padded operands.
+
+    Args:
+      q8: [B, Hq, Tp, Dqk] e4m3; q_inv: [B, Hq, Tp] f32 decode factor per query.
+      k8: [B, Hkv, Sp, Dqk] e4m3; vt8: [B, Hkv, Dv, Sp] e4m3, tokens permuted per 16.
+      kv_inv: [B, Hkv, Sp / 128, 2, 64] f32: K's and V's decode factor of each key block,
+        each repeated over 64 rows.
+      q_seg [B, Tp], kv_seg [B, Sp]: int32 segment ids (only when ``mask.segments``).
+    Returns:
+      o [B, Tp, Hq, Dv] in ``out_dtype`` (the public layout: no transpose after the kernel),
+      lse [B, Hq, Tp] f32 (natural log).
+    """
+    b, hq, tp, dqk = q8.shape
+    hkv, sp = k8.shape[1], k8.shape[2]
+    dv = vt8.shape[2]
+    group = hq // hkv
+    n_k = sp // BLOCK
+    stages = fitting_stages(stages, n_k, dqk, dv, out_dtype)
+    c = sm_scale * LOG2E
+    block_q = WARPGROUPS * ROWS
+
+    # The FP8 register operand: the raw Mosaic regroup on the GPU; the same column
+    # permutation in plain JAX for the interpret twin (which cannot run raw Mosaic code).
+    to_operand = regroup.permute_columns if interpret else regroup.regroup_fp8
+
+    def kernel(q_ref, qinv_ref, k_ref, vt_ref, kvinv_ref, *rest):
+        if mask.segments:
+            qseg_ref, kvseg_ref, o_ref, lse_ref, scratch = rest
+        else:
+            (o_ref, lse_ref, scratch), qseg_ref, kvseg_ref = rest, None, None
+        smem, barriers = scratch
+        q_smem2, o_smem2, lse_smem2, qinv_smem2, qseg_smem2, k_smem, vt_smem, kvinv_smem, kseg_smem = smem
+        q_bars, k_bars, v_bars, aux_bars, k_free, v_free, schedule = barriers
+        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+        q_tile = lax.axis_index("q_seq")
+        wg = lax.axis_index("wg")
+        kv_head = lax.div(head, jnp.array(group, head.dtype))
+        if mask.causal:
+            cta_steps = jnp.minimum(n_k, pl.cdiv((q_tile + 1) * block_q, BLOCK))
+        else:
+            cta_steps = n_k
+
+        def schedule_barrier():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        @pl.when(wg < WARPGROUPS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
+            row0 = q_tile * block_q + wg * ROWS
+            rows = pl.ds(row0, ROWS)
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, head, rows], q_smem, q_bars.at[wg])
+            plgpu.copy_gmem_to_smem(qinv_ref.at[batch, head, rows], qinv_smem2.at[wg],
+                                    q_bars.at[WARPGROUPS + wg])
+            if mask.segments:
+                plgpu.copy_gmem_to_smem(qseg_ref.at[batch, rows], qseg_smem2.at[wg],
+                                        q_bars.at[2 * WARPGROUPS + wg])
+                plgpu.barrier_wait(q_bars.at[2 * WARPGROUPS + wg])
+                q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            plgpu.barrier_wait(q_bars.at[WARPGROUPS + wg])
+            row_scale = plgpu.load(qinv_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1)) * c
+            plgpu.barrier_wait(q_bars.at[wg])
+
+            if mask.causal:
+                steps = jnp.minimum(n_k, pl.cdiv(row0 + ROWS, BLOCK))
+                full = jnp.minimum(row0 // BLOCK, mask.s // BLOCK)
+            else:
+                steps = n_k
+                full = mask.s // BLOCK
+            if mask.segments:
+                full = jnp.zeros_like(steps)
+            full = jnp.minimum(full, steps)
+
+            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(steps > 0)
+            def _():
+                plgpu.barrier_wait(k_bars.at[0])
+
+            pl.when(wg == 1)(schedule_barrier)
+
+            def step(j, carry, masked: bool):
+                acc, m, l, u = carry
+                slot = lax.rem(j, stages)
+
+                def qk(acc_ref):  # Q8 K8^T, K K-major
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+                    schedule_barrier()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK), jnp.float32))
+                plgpu.barrier_wait(aux_bars.at[slot])
+                inv_k = plgpu.load(kvinv_smem.at[slot, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                inv_v = plgpu.load(kvinv_smem.at[slot, 1], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                if masked and mask.segments:
+                    k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                plgpu.barrier_arrive(k_free.at[slot])
+                s = s * lax.broadcast_in_dim(row_scale * inv_k, s.shape, [0])
+                if masked:
+                    q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+                    k_pos = j * BLOCK + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    valid = k_pos < mask.s
+                    if mask.causal:
+                        valid = valid & (q_pos >= k_pos)
+                    if mask.segments:
+                        valid = valid & (lax.broadcast_in_dim(q_seg, s.shape, [0])
+                                         == lax.broadcast_in_dim(k_seg, s.shape, [1]))
+                    s = jnp.where(valid, s, -jnp.inf)
+
+                m_new = jnp.maximum(m, s.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+                alpha = jnp.exp2(m - m_safe)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe - P_EXPONENT, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                # acc holds O's numerator in units of u (the last V decode factor): rescale
+                # by alpha u / inv_v_j (powers of two apart from alpha), then add P^ V8_j.
+                acc = acc * lax.broadcast_in_dim(alpha * (u / inv_v), acc.shape, [0])
+                p8 = to_operand(p.astype(jnp.float8_e4m3fn))
+                acc, l, m_new, p8 = lax.optimization_barrier((acc, l, m_new, p8))
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_wait(schedule)  # tensor cores free
+
+                def pv(acc_ref):  # P^ V8 with V^T K-major (tokens permuted like P^'s columns)
+                    plgpu.wgmma(acc_ref, p8, vt_smem.at[slot].T)
+                    nxt = j + 1
+
+                    @pl.when(nxt < steps)
+                    def _():
+                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l, inv_v
+
+            carry = (acc, m, l, jnp.ones_like(l))
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+            acc, m, l, u = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+
+            def drain(j, _):  # tiles this warpgroup skips (causal): release them
+                slot = lax.rem(j, stages)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                schedule_barrier()
+                schedule_barrier()
+
+            lax.fori_loop(steps, cta_steps, drain, None)
+            pl.when(wg == 0)(schedule_barrier)
+
+            empty = l == 0.0
+            inv_l = u / jnp.where(empty, 1.0, l)
+            o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
+            log_l = jnp.log(jnp.where(empty, 1.0, l)) * (1.0 / LN2)
+            lse_smem[...] = jnp.where(empty, jnp.inf, (m + log_l - P_EXPONENT) * LN2)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, rows, head])  # [B, Tp, Hq, Dv]
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == WARPGROUPS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load_k(j, slot):  # K, and the factors and segments read with S
+                keys = pl.ds(j * BLOCK, BLOCK)
+                plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys], k_smem.at[slot], k_bars.at[slot])
+                plgpu.copy_gmem_to_smem(kvinv_ref.at[batch, kv_head, j], kvinv_smem.at[slot],
+                                        aux_bars.at[slot])
+                if mask.segments:
+                    plgpu.copy_gmem_to_smem(kvseg_ref.at[batch, keys], kseg_smem.at[slot],
+                                            aux_bars.at[slot])
+
+            def load_v(j, slot):
+                plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, pl.ds(j * BLOCK, BLOCK)],
+                                        vt_smem.at[slot], v_bars.at[slot])
+
+            for i in range(stages):
+                @pl.when(i < cta_steps)
+                def _():
+                    load_k(i, i)
+                    load_v(i, i)
+
+            @pl.loop(0, jnp.maximum(cta_steps - stages, 0))
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                load_k(j + stages, slot)
+                plgpu.barrier_wait(v_free.at[slot])
+                load_v(j + stages, slot)
+
+    def dm_fp8_attention_forward_mosaic(*refs):  # the kernel's name in profiles
+        kseg = plgpu.SMEM((stages, BLOCK), jnp.int32) if mask.segments else None
+        qseg = plgpu.SMEM((WARPGROUPS, ROWS), jnp.int32) if mask.segments else None
+        smem = (
+            plgpu.SMEM((WARPGROUPS, ROWS, dqk), jnp.float8_e4m3fn, transforms=fp8_transforms(dqk)),
+            plgpu.SMEM((WARPGROUPS, ROWS, dv), out_dtype, transforms=out_transforms(out_dtype)),
+            plgpu.SMEM((WARPGROUPS, ROWS), jnp.float32),
+            plgpu.SMEM((WARPGROUPS, ROWS), jnp.float32),
+            qseg,
+            plgpu.SMEM((stages, BLOCK, dqk), jnp.float8_e4m3fn, transforms=fp8_transforms(dqk)),
+            plgpu.SMEM((stages, dv, BLOCK), jnp.float8_e4m3fn, transforms=fp8_transforms(BLOCK)),
+            plgpu.SMEM((stages, 2, ROWS), jnp.float32),
+            kseg,
+        )
+        aux_arrivals = 2 if mask.segments else 1
+        barriers = (
+            plgpu.Barrier(num_barriers=3 * WARPGROUPS),  # Q, its decode factors, its segments
+            plgpu.Barrier(num_barriers=stages),  # K
+            plgpu.Barrier(num_barriers=stages),  # V^T
+            plgpu.Barrier(num_arrivals=aux_arrivals, num_barriers=stages),  # factors, segments
+            plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # K slot free
+            plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # V slot free
+            plgpu.Barrier(num_arrivals=WARPGROUPS),  # tensor-core schedule
+        )
+        pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
+                      collective_axes="wg")
+
+    args = [q8, q_inv, k8, vt8, kv_inv]
+    if mask.segments:
+        args += [q_seg, kv_seg]
+    o, lse = plgpu.kernel(
+        dm_fp8_attention_forward_mosaic,
+        out_type=[jax.ShapeDtypeStruct((b, tp, hq, dv), out_dtype),
+                  jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)],
+        grid=(hq, tp // block_q, b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # Pallas' GPU interpret mode: threads, barriers, TMA and wgmma simulated on the CPU
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(*args)
+    return o, lse

@@ -1,0 +1,117 @@
+"""The Mosaic GPU backend on a CPU: its layouts and permutations, its refusals, and (jax >=
+0.11) that every kernel variant lowers for CUDA. Numbers on the GPU: docs/mosaic_gpu.md."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dm_jax import numerics
+from pallas_kernels.fp8_attention.mosaic_gpu import config, regroup
+from pallas_kernels.fp8_attention.mosaic_gpu import quantize as mq
+
+JAX_011 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def test_regroup_permutation_is_the_documented_one_and_keeps_dots():
+    cols = np.arange(32)
+    new = np.asarray(regroup.permute_columns(jnp.asarray(cols)))
+    # new column 4t + 2h + e holds source column 8h + 2t + e, in every block of 16
+    for g in range(2):
+        for t in range(4):
+            for h in range(2):
+                for e in range(2):
+                    assert new[16 * g + 4 * t + 2 * h + e] == 16 * g + 8 * h + 2 * t + e
+    p = jax.random.normal(jax.random.PRNGKey(0), (8, 64))
+    v_t = jax.random.normal(jax.random.PRNGKey(1), (16, 64))  # [D, keys]
+    permuted = regroup.permute_columns(p) @ regroup.permute_tokens(v_t[None, None])[0, 0].T
+    np.testing.assert_allclose(permuted, p @ v_t.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [mq.quantize, mq.quantize_in_input_layout])
+def test_quantize_pass_matches_the_contract(variant):
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 300, 3, 64))
+    x = x * jnp.exp(jax.random.normal(jax.random.PRNGKey(1), (2, 300, 3, 1)))
+    x = x.at[0, 5, 1, 3].set(jnp.nan)  # propagates to its element, not its block's scale
+    got = variant(x, k_major=True)
+    bhtd = jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, 84), (0, 0)))
+    want, scales = numerics.quantize_tokens(bhtd)
+    as_f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    np.testing.assert_array_equal(as_f32(got.values), as_f32(want))
+    np.testing.assert_array_equal(as_f32(got.values_t), as_f32(regroup.permute_tokens(jnp.swapaxes(want, 2, 3))))
+    np.testing.assert_array_equal(np.asarray(got.inv_tokens), np.repeat(1 / np.asarray(scales), 128, -1))
+    np.testing.assert_array_equal(np.asarray(got.inv_rows)[..., 0], 1 / np.asarray(scales))
+    assert np.isnan(as_f32(got.values)[0, 1, 5, 3]) and np.isfinite(np.asarray(got.inv_tokens)).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 300, 3, 64), (1, 128, 2, 256)])
+def test_fused_quantize_kernel_is_bitwise_the_xla_pass(shape):
+    from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
+
+    x = jax.random.normal(jax.random.PRNGKey(0), shape) * 3
+    x = x.at[0, 5, 1, 3].set(jnp.nan).at[0, 7, 0, 0].set(jnp.inf)
+    as_f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    for k_major in (False, True):
+        got = quantize_kernel.quantize(x, k_major=k_major, interpret=True)
+        want = mq.quantize(x, k_major=k_major)
+        for name in ("values", "values_t", "inv_tokens", "inv_rows"):
+            if getattr(want, name) is None:
+                assert getattr(got, name) is None
+                continue
+            np.testing.assert_array_equal(as_f32(getattr(got, name)), as_f32(getattr(want, name)),
+                                          err_msg=name)
+
+
+@pytest.mark.skipif(JAX_011, reason=f"the Triton IR capture uses jax 0.10's private lowering; this is jax {jax.__version__}")
+def test_fused_quantize_kernel_lowers_to_triton():
+    from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
+    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+
+    x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    modules = lower_for_cuda(lambda x: quantize_kernel.quantize(x, k_major=True), x)
+    assert list(modules) == ["dm_fp8_attention_quantize"]
+
+
+def test_supported_explains_refusals():
+    cfg = config.MosaicConfig()
+    shape = (1, 256, 2, 128)
+    if not JAX_011:
+        assert "jax >= 0.11" in config.supported(shape, shape, shape, jnp.bfloat16, "fp8", cfg)
+        return
+    assert config.supported(shape, shape, shape, jnp.bfloat16, "fp8", cfg) is None
+    assert "precision='fp8' only" in config.supported(shape, shape, shape, jnp.bfloat16, "bf16", cfg)
+    odd = (1, 256, 2, 96)
+    assert "multiples of 64" in config.supported(odd, odd, odd, jnp.bfloat16, "fp8", cfg)
+    wide = (1, 256, 2, 256)
+    assert "shared memory" in config.supported(wide, wide, wide, jnp.float32, "fp8", cfg)
+    with pytest.raises(ValueError, match="stages"):
+        config.MosaicConfig(stages=0)
+
+
+CASES = [  # (b, t, s, hq, hkv, dqk, dv, causal, segments, dtype)
+    (1, 256, 256, 2, 2, 128, 128, False, False, jnp.bfloat16),
+    (1, 300, 200, 4, 2, 64, 64, True, False, jnp.float32),
+    (2, 256, 256, 2, 1, 192, 128, True, True, jnp.bfloat16),
+    (1, 256, 256, 2, 2, 256, 256, False, False, jnp.bfloat16),
+]
+
+
+@pytest.mark.skipif(not JAX_011, reason=f"Mosaic GPU kernels lower with jax >= 0.11; this is jax {jax.__version__}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + ("_causal" if c[7] else "") + ("_seg" if c[8] else ""))
+def test_forward_lowers_for_cuda(case):
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t, s, hq, hkv, dqk, dv, causal, segments, dtype = case
+    sds = jax.ShapeDtypeStruct
+    args = [sds((b, t, hq, dqk), dtype), sds((b, s, hkv, dqk), dtype), sds((b, s, hkv, dv), dtype)]
+    ids = [sds((b, t), jnp.int32), sds((b, s), jnp.int32)] if segments else [None, None]
+
+    def fn(q, k, v, q_ids, kv_ids):  # the Triton quantize kernel needs a GPU to lower on 0.11
+        return ops.forward(q, k, v, q_ids, kv_ids, causal=causal, sm_scale=dqk ** -0.5,
+                           config=config.MosaicConfig(fused_quantize=False))
+
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args, *ids)
+    text = exported.mlir_module()
+    assert "mosaic_gpu" in text
+    assert [tuple(a.shape) for a in exported.out_avals] == [(b, t, hq, dv), (b, hq, t)]
