@@ -168,3 +168,36 @@ def test_ablation_qk_gains_and_config_errors():
                                                    jax.tree.leaves(same[1])))
   wide = preset("gdn_gqa", "1.67b", head_dim=256)
   assert wide.num_heads * wide.head_dim == 16 * 128 and not preset("gdn_gqa", rope=False).rope
+
+
+def test_layers_are_flax_layers_and_init_is_unchanged():
+  """Embedding, linear layers and norms are nnx.Embed / nnx.Linear / nnx.RMSNorm (so the
+  optimizer routes them by structure); parameters are drawn as before they were."""
+  from dm_jax.nn import Linear, RMSNorm
+  from train import optim
+
+  cfg = preset("gdn_gqa", vocab_size=320)
+  model = HybridLM(cfg, rngs=nnx.Rngs(0))
+  assert isinstance(model.embed, nnx.Embed) and isinstance(model.head, nnx.Linear)
+  assert isinstance(model.layers[3].mixer.q_norm, nnx.RMSNorm)
+  first_key = nnx.Rngs(0).params()  # the embedding still takes the first key, N(0, 1)
+  np.testing.assert_array_equal(model.embed.embedding.get_value(),
+                                jax.random.normal(first_key, (320, cfg.d_model), jnp.float32))
+  lin = Linear(64, 32, rngs=nnx.Rngs(3))
+  np.testing.assert_array_equal(lin.kernel.get_value(),
+                                64 ** -0.5 * jax.random.normal(nnx.Rngs(3).params(), (64, 32)))
+  x = jax.random.normal(jax.random.key(0), (2, 5, 64))
+  want = jnp.einsum("btk,kn->btn", x.astype(jnp.bfloat16), lin.kernel.get_value().astype(jnp.bfloat16),
+                    preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(lin(x), want)
+  assert Linear(64, 32, fp8=True, rngs=nnx.Rngs(3))(x).dtype == jnp.bfloat16
+  assert f8_dots(jax.make_jaxpr(lambda x: Linear(64, 32, fp8=True, rngs=nnx.Rngs(3))(x))(x)) == 1
+  norm = RMSNorm(8)
+  y = norm(jnp.arange(16, dtype=jnp.bfloat16).reshape(2, 8))
+  assert y.dtype == jnp.bfloat16 and norm.scale.get_value().shape == (8,)
+  # Muon routing by structure: the embedding goes to AdamW because it is an nnx.Embed.
+  params = nnx.state(model, nnx.Param)
+  mask = optim.hidden_matrix_mask(model, params, vocab_size=10**9)  # vocab test switched off
+  hidden = {jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(mask) if m}
+  assert not any("embed" in k for k in hidden) and any("q_proj" in k for k in hidden)
+  assert qk_gains(model)[3][0].shape == (cfg.head_dim,)

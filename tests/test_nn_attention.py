@@ -94,8 +94,11 @@ def test_flax_multihead_attention_adapter():
   np.testing.assert_allclose(ours(x, is_causal=True), want, atol=1e-5)
   fp8 = nnx.MultiHeadAttention(attention_fn=dot_product_attention, **dict(kw, rngs=nnx.Rngs(0)))
   np.testing.assert_allclose(fp8(x, is_causal=True), want, atol=0.1)
-  with pytest.raises(ValueError, match="mask"):
+  with pytest.raises(ValueError, match="mask: .*is_causal=True"):
     ours(x, mask=nnx.make_causal_mask(jnp.ones((2, 12))))
+  q = x.reshape(2, 12, 2, 16)
+  with pytest.raises(TypeError, match=r"\['causal'\].*is_causal=True"):  # not dropped silently
+    dot_product_attention(q, q, q, causal=True)
 
 
 def test_fp8_linear_values_grads_and_jaxpr():

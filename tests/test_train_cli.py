@@ -1,10 +1,15 @@
 """`python -m train` and `python -m train.plot` end to end with the real hybrid model."""
 
+import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
+import jax
+import numpy as np
 import pytest
 
 from train import config as config_lib
@@ -50,12 +55,86 @@ def test_cli_trains_the_default_hybrid_and_plots(tmp_path):
     (["--fresh-optimizer"], "--fresh-optimizer"),
     (["--resume", "--init-from", "x"], "--init-from"),
     (["--tokenizer", "tiktoken"], "--tiktoken"),
+    # Zero and negative values are errors, never "use the default".
+    (["--batch-size", "0"], "--batch-size"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--stop-at", "-3"], "--stop-at"),
+    (["--stop-at", "0"], "--stop-at"),
+    (["--eval-batches", "0"], "--eval-batches"),
+    (["--seed", "-1"], "--seed"),
+    (["--head-dim", "0"], "--head-dim"),
+    (["--adam-lr-ratio", "0"], "--adam-lr-ratio"),
+    (["--weight-decay", "-0.1"], "--weight-decay"),
+    (["--warmup", "-1"], "--warmup"),
+    (["--resume"], "--resume"),
+    (["--resume", "--run-dir", "/no/such/run"], "--resume"),
 ])
 def test_bad_flags_fail_before_compute_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         config_lib.parse_args(argv)
     assert e.value.code == 2
-    assert flag in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert flag in err
+    if flag not in ("--attention",):  # a value argparse itself rejects comes with the usage
+        assert err.count("\n") == 1 and err.startswith("python -m train: error: "), err
+
+
+def test_tiktoken_without_the_extra_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tiktoken", None)  # as on an install without .[bpe]
+    with pytest.raises(SystemExit) as e:
+        config_lib.parse_args(["--tiktoken", "gpt2"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--tiktoken" in err and "pip install -e '.[bpe]'" in err
+    assert "Traceback" not in err
+
+
+def test_help_lists_presets_and_their_defaults(capsys):
+    from dm_jax import models
+
+    with pytest.raises(SystemExit):
+        config_lib.parse_args(["--help"])
+    out = capsys.readouterr().out
+    for name in models.FAMILIES + models.SIZES:
+        assert name in out, name
+    for size, d in config_lib.SIZE_DEFAULTS.items():  # one row of defaults per size
+        row = next(line.split() for line in out.splitlines() if line.split()[:1] == [size])
+        assert row[1:5] == [str(d["batch_size"]), str(d["seq_len"]), str(d["steps"]), f"{d['learning_rate']:g}"]
+
+
+def test_resume_takes_the_saved_config(tmp_path):
+    saved = config_lib.parse_args(["--preset", "gdn_mla-tiny", "--lr", "1e-3", "--seq-len", "64",
+                                   "--optimizer", "muon", "--run-dir", str(tmp_path)])
+    saved.save(str(tmp_path))
+    resumed = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path)])
+    assert resumed.compat_dict() == saved.compat_dict() and resumed.resume
+    more = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path), "--steps", "900", "--log-every", "5"])
+    assert (more.steps, more.log_every, more.seq_len, more.optimizer.name) == (900, 5, 64, "muon")
+    assert more.optimizer.warmup_steps == saved.optimizer.warmup_steps  # not re-derived from --steps
+    clash = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path), "--attention", "stale"])
+    with pytest.raises(ValueError, match=r"model.overrides.attention: 'matched' -> 'stale' \(--attention\)"):
+        config_lib.check_compatible(saved, clash)
+    stopped = dataclasses.replace(saved, stop_at=3)  # --stop-at belongs to one invocation
+    stopped.save(str(tmp_path))
+    assert config_lib.parse_args(["--resume", "--run-dir", str(tmp_path)]).stop_at is None
+
+
+def test_every_flag_maps_to_config_fields():
+    dests = {a.dest for a in config_lib.build_parser()._actions if a.dest != "help"}
+    assert dests == set(config_lib.FLAG_FIELDS)
+    fields = set(config_lib._flatten(config_lib._tree(config_lib.parse_args(["--run-dir", "x"]))))
+    for dest, paths in config_lib.FLAG_FIELDS.items():
+        assert set(paths) <= fields | {p for p in paths if p.startswith("model.overrides.")}, dest
+
+
+def test_one_line_errors_for_the_run_dir(tmp_path, capsys):
+    from train.__main__ import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(["--run-dir", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --run-dir") and "is a file" in err
 
 
 def test_presets_and_arms_resolve():
@@ -80,7 +159,83 @@ def test_cli_resume_is_bit_exact_with_the_hybrid(tmp_path):
     assert half.returncode == 0, half.stderr[-3000:]
     refused = _run("train", *common, "--run-dir", str(tmp_path / "b"))  # no --resume: refused
     assert refused.returncode == 2 and "--resume" in refused.stderr
-    resumed = _run("train", *common, "--resume", "--run-dir", str(tmp_path / "b"))
+    resumed = _run("train", "--resume", "--run-dir", str(tmp_path / "b"))  # the saved flags
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(d / "metrics.jsonl"))]  # noqa: E731
     assert rows(tmp_path / "a") == rows(tmp_path / "b") and len(rows(tmp_path / "a")) == 4
+    # The checkpoint holds the model's parameters under their names: orbax alone reads it.
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from train import loop
+
+    named = ocp.StandardCheckpointer().restore(str(tmp_path / "b" / "checkpoints" / "4" / "params"))
+    model, _ = loop.load_model(str(tmp_path / "b"))
+    np.testing.assert_array_equal(named["layers"]["3"]["mixer"]["q_norm"]["scale"],
+                                  np.asarray(model.layers[3].mixer.q_norm.scale.get_value()))
+    np.testing.assert_array_equal(named["embed"]["embedding"], np.asarray(model.embed.embedding.get_value()))
+    assert len(jax.tree.leaves(named)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+_LONG_STEP = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import jax, numpy as np
+from test_train_standin import HOOKS, tiny_config
+from train import loop
+
+make = loop.make_step_fns
+
+
+def make_with_a_long_step(*args, **kwargs):
+    step, evaluate = make(*args, **kwargs)
+    calls = [0]
+
+    def sleep_in_xla(x):  # a device call that keeps the main thread inside XLA
+        open({marker!r}, "w").close()
+        time.sleep(600)
+        return x
+
+    slow = jax.jit(lambda x: jax.pure_callback(sleep_in_xla, jax.ShapeDtypeStruct((), np.int32), x))
+
+    def stepper(*a):
+        calls[0] += 1
+        out = step(*a)
+        if calls[0] == 5:
+            jax.block_until_ready(slow(np.int32(0)))
+        return out
+
+    return stepper, evaluate
+
+
+loop.make_step_fns = make_with_a_long_step
+cfg = tiny_config({run_dir!r}, steps=6, ckpt_every=2, eval_every=0, probe_every=0, log_every=1)
+loop.train(cfg, progress=False, hooks=HOOKS)
+"""
+
+
+def test_second_signal_stops_a_long_step_at_once(tmp_path):
+    """The main thread is stuck in XLA (a 10-minute step): the first SIGTERM is acknowledged at
+    once, the second ends the process at once, naming the checkpoint the run resumes from."""
+    marker, run_dir = tmp_path / "in_long_step", tmp_path / "run"
+    script = _LONG_STEP.format(tests=os.path.join(ROOT, "tests"), marker=str(marker), run_dir=str(run_dir))
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not marker.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no long step"
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2)
+        assert proc.poll() is None  # the first signal waits for the step to end...
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=10)  # ...the second does not
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "SIGTERM: stopping after the current step" in err and "SIGTERM again: stopping now" in err
+    assert f"resumes from its checkpoint at step 4: python -m train --resume --run-dir {run_dir}" in err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]

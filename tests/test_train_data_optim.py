@@ -113,3 +113,36 @@ def test_schedule_and_clipping():
     g = {"w": jnp.full((4,), 10.0)}
     out, _ = tx.update(g, tx.init(g))
     assert float(optax.global_norm(out)) == pytest.approx(0.5, rel=1e-5)
+
+
+@pytest.mark.parametrize("at", [1, 5, 60, 100])  # in warmup, at its end, mid-decay, after the end
+def test_schedule_extension_is_continuous(at):
+    cfg = config_lib.OptimizerConfig(learning_rate=1.0, warmup_steps=5, min_lr_ratio=0.1)
+    before = optim.schedule(cfg, 100, 1.0)
+    after = optim.schedule(cfg, 200, 1.0, extensions=((at, 100),))
+    for s in range(at + 1):  # the steps already taken keep their rates
+        assert float(after(s)) == pytest.approx(float(before(s)), rel=1e-6), s
+    rates = np.array([float(after(s)) for s in range(at, 201)])
+    assert rates[-1] == pytest.approx(0.1, rel=1e-5)  # the floor at the new total
+    past_peak = rates[max(0, 5 - at):]
+    assert np.all(np.diff(past_peak) <= 1e-7)  # decays from there, never jumps back up
+    assert np.max(np.abs(np.diff(rates))) <= 0.21  # no jump bigger than a warmup step (0.2)
+    # A second extension continues from the first one's curve.
+    again = optim.schedule(cfg, 300, 1.0, extensions=((at, 100), (150, 200)))
+    assert float(again(150)) == pytest.approx(float(after(150)), rel=1e-6)
+    assert float(again(300)) == pytest.approx(0.1, rel=1e-5) and float(again(151)) <= float(again(150))
+
+
+def test_small_text_folder_splits_by_tokens(tmp_path):
+    """A few files, none of which hashes into validation: the stream's tail is validation."""
+    names = [f"notes{i}.txt" for i in range(7)]
+    assert not any(data_lib._is_validation(n, 0.02) for n in names)  # the case being tested
+    for i, n in enumerate(names):
+        (tmp_path / n).write_text(f"note {i}: " + "lorem ipsum dolor sit amet " * 500)
+    s = data_lib.load_splits(_cfg(source=str(tmp_path)))
+    total = len(s.train) + len(s.val)
+    assert len(s.val) == int(total * 0.02) and "last 2%" in s.description
+    assert total == sum(len(open(tmp_path / n, "rb").read()) + 1 for n in names)  # nothing lost
+    run = config_lib.parse_args(["--data", str(tmp_path), "--run-dir", str(tmp_path / "run")])
+    train, val = data_lib.make_batches(run, s)  # the default tiny batch fits both splits
+    assert val.batch(0)["tokens"].shape == (8, 128) and train.num_windows > val.num_windows

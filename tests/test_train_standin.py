@@ -1,7 +1,7 @@
 """A tiny transformer that stands in for dm_jax.models in trainer tests, and its own test.
 
-It has what the trainer touches: embedding, attention through dm_jax.attention with QK
-RMSNorm gains, MLP, LM head, `qk_gains` and `attention_probe`.
+It has what the trainer touches: embedding (plus fixed sinusoidal positions), attention through
+dm_jax.attention with QK RMSNorm gains, MLP, LM head, `qk_gains` and `attention_probe`.
 """
 
 import dataclasses
@@ -55,8 +55,16 @@ class StandinLM(nnx.Module):
         return dm_jax.attention(q, k, v, causal=True, delta=delta, precision=precision,
                                 segment_ids=segment_ids, implementation="reference")
 
+    def inputs(self, tokens_BT):
+        """Token embeddings plus fixed sinusoidal positions (a position-blind model would give
+        runs of identical tokens identical q, k, v: rows whose dS vanishes exactly)."""
+        x_BTD = self.embed(tokens_BT)
+        T, D = x_BTD.shape[1:]
+        angle_TD = jnp.arange(T)[:, None] / 10_000 ** (jnp.arange(D)[None, :] // 2 * 2 / D)
+        return x_BTD + jnp.where(jnp.arange(D) % 2 == 0, jnp.sin(angle_TD), jnp.cos(angle_TD))
+
     def __call__(self, tokens_BT, *, segment_ids=None, taps=None):
-        x = self.embed(tokens_BT)
+        x = self.inputs(tokens_BT)
         for i, block in enumerate(self.blocks):
             x = block(x, segment_ids, self.attention, None if taps is None else taps[i])
         return self.head(self.norm(x)).astype(jnp.float32)
@@ -73,7 +81,7 @@ def standin_qk_gains(model):
 
 def standin_probe(model, tokens_BT, targets_BT, *, segment_ids=None):
     """q, k, v of every attention layer and the loss gradient at its output (dO)."""
-    x = model.embed(tokens_BT)
+    x = model.inputs(tokens_BT)
     qkvs = []
     for block in model.blocks:
         qkvs.append(block.qkv_BTHD(x))

@@ -44,17 +44,25 @@ class TiktokenTokenizer:
     """A tiktoken BPE given by encoding name (cached locally) or a `.tiktoken` ranks file."""
 
     def __init__(self, name_or_path: str):
-        import tiktoken
+        try:
+            import tiktoken
+        except ImportError as e:
+            raise ValueError("--tiktoken: the tiktoken package is not installed; install the extra with "
+                             "pip install -e '.[bpe]' (or pip install tiktoken)") from e
+        try:
+            if os.path.exists(name_or_path):
+                from tiktoken.load import load_tiktoken_bpe
 
-        if os.path.exists(name_or_path):
-            from tiktoken.load import load_tiktoken_bpe
-
-            ranks = load_tiktoken_bpe(name_or_path)
-            self._enc = tiktoken.Encoding(
-                name=os.path.basename(name_or_path), mergeable_ranks=ranks, special_tokens={},
-                pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-        else:
-            self._enc = tiktoken.get_encoding(name_or_path)
+                ranks = load_tiktoken_bpe(name_or_path)
+                self._enc = tiktoken.Encoding(
+                    name=os.path.basename(name_or_path), mergeable_ranks=ranks, special_tokens={},
+                    pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+            else:
+                self._enc = tiktoken.get_encoding(name_or_path)
+        except (ValueError, OSError, KeyError) as e:  # unknown name, no network, a bad ranks file
+            reason = (str(e).splitlines() or [""])[0][:160]
+            raise ValueError(f"--tiktoken {name_or_path!r}: cannot load the encoding "
+                             f"({type(e).__name__}: {reason})") from e
         self.eos_id = self._enc.n_vocab
         self.vocab_size = self._enc.n_vocab + 1
 
@@ -134,9 +142,8 @@ def load_splits(data_cfg) -> Splits:
     """Reads and tokenizes the data source into train / validation token streams."""
     if _is_token_file(data_cfg.source):
         tokens = _load_token_file(data_cfg)
-        n_val = max(1, int(len(tokens) * data_cfg.val_fraction))  # the tail is validation
         top = max(int(tokens.max()) if tokens.size else 0, data_cfg.eos_id or 0)
-        return Splits(tokens[:-n_val], tokens[-n_val:], data_cfg.eos_id, top + 1,
+        return Splits(*_token_split(tokens, data_cfg.val_fraction), data_cfg.eos_id, top + 1,
                       f"{len(tokens):,} tokens from {data_cfg.source}")
     tok = make_tokenizer(data_cfg)
     streams = {False: [], True: []}
@@ -152,15 +159,23 @@ def load_splits(data_cfg) -> Splits:
         key = os.path.relpath(path, root) if data_cfg.source != "builtin" else os.path.basename(path)
         streams[_is_validation(key, data_cfg.val_fraction)].append(
             np.append(tok.encode(text), np.int32(tok.eos_id)))
-    if not streams[True]:  # a single document: its tail becomes validation
-        doc = streams[False].pop()
-        cut = int(len(doc) * (1 - data_cfg.val_fraction))
-        streams[False].append(doc[:cut])
-        streams[True].append(doc[cut:])
     join = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
+    train, val = join(streams[False]), join(streams[True])
+    split = "by document name"
+    if not streams[True]:  # no document hashed into validation (few files): split by tokens
+        train, val = _token_split(train, data_cfg.val_fraction)
+        split = f"the last {data_cfg.val_fraction:.0%} of the tokens"
     name = "Python standard library" if data_cfg.source == "builtin" else data_cfg.source
-    return Splits(join(streams[False]), join(streams[True]), tok.eos_id, tok.vocab_size,
-                  f"{name}: {len(files)} files, {total_bytes / 1e6:.1f} MB, {data_cfg.tokenizer} tokens")
+    return Splits(train, val, tok.eos_id, tok.vocab_size,
+                  f"{name}: {len(files)} files, {total_bytes / 1e6:.1f} MB, {data_cfg.tokenizer} tokens, "
+                  f"validation: {split}")
+
+
+def _token_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation): the last `val_fraction` of a token stream (at least one token) is
+    validation."""
+    n_val = max(1, int(len(tokens) * val_fraction))
+    return tokens[:-n_val], tokens[-n_val:]
 
 
 def segments_and_mask(window_BL: np.ndarray, eos_id: Optional[int], packing: str):
@@ -189,8 +204,10 @@ class Batches:
         self.seed, self.eos_id, self.packing, self.shuffle = seed, eos_id, packing, shuffle
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < batch_size:
+            hint = ("raise --val-fraction, turn evaluation off (--eval-every 0), " if name == "validation"
+                    else "")
             raise ValueError(f"--data: the {name} split has {len(tokens):,} tokens, fewer than one batch "
-                             f"of {batch_size} x {seq_len + 1}; lower --batch-size/--seq-len or add data")
+                             f"of {batch_size} x {seq_len + 1}; {hint}lower --batch-size/--seq-len or add data")
 
     def _window_ids(self, first: int, count: int) -> np.ndarray:
         ids = np.arange(first, first + count)
@@ -219,10 +236,14 @@ class Batches:
             i += 1
 
 
-def make_batches(run_config, splits: Splits) -> tuple[Batches, Batches]:
-    """(train batches, validation batches) for a RunConfig; validation is unshuffled."""
+def make_batches(run_config, splits: Splits, *, validation: Optional[bool] = None
+                 ) -> tuple[Batches, Optional[Batches]]:
+    """(train batches, validation batches) for a RunConfig; validation is unshuffled, and None
+    when not wanted (default: when evaluation is off, `eval_every == 0`)."""
     common = dict(batch_size=run_config.batch_size, seq_len=run_config.seq_len,
                   eos_id=splits.eos_id, packing=run_config.data.packing)
     train = Batches(splits.train, seed=run_config.seed, name="train", **common)
+    if not (bool(run_config.eval_every) if validation is None else validation):
+        return train, None
     val = Batches(splits.val, seed=run_config.seed, shuffle=False, name="validation", **common)
     return train, val

@@ -18,56 +18,76 @@ import numpy as np
 
 
 class TensorBoardWriter:
-    """Scalar summaries through tensorboard's own event writer (no TensorFlow needed)."""
+    """Scalar summaries through `tensorboard.summary.Writer`, tensorboard's own writer API
+    (no TensorFlow needed)."""
 
     def __init__(self, logdir: str):
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        from tensorboard.summary import Writer
 
-        self._writer = EventFileWriter(logdir, flush_secs=10)
+        self._writer = Writer(logdir)
 
-    def scalars(self, step: int, values: dict) -> None:
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-
-        summary = summary_pb2.Summary(value=[
-            summary_pb2.Summary.Value(tag=k, simple_value=float(v))
-            for k, v in values.items() if isinstance(v, (int, float)) and k != "step"])
-        self._writer.add_event(event_pb2.Event(wall_time=time.time(), step=int(step), summary=summary))
+    def scalars(self, step: int, values: dict, wall_time: Optional[float] = None) -> None:
+        for k, v in values.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
+                self._writer.add_scalar(k, float(v), int(step), wall_time=wall_time)
+        self._writer.flush()
 
     def close(self) -> None:
-        self._writer.flush()
         self._writer.close()
 
 
 class MetricsLog:
-    """Appends rows to `<run_dir>/metrics.jsonl` and mirrors scalars to TensorBoard."""
+    """Appends rows to `<run_dir>/metrics.jsonl` and mirrors scalars to TensorBoard.
+
+    Each row gets `time` (seconds since the epoch). Resuming (`truncate_after=step`) drops
+    the rows logged after the checkpoint, which the resumed run logs again, and rewrites the
+    TensorBoard events from the rows kept, so no step shows twice."""
 
     def __init__(self, run_dir: str, *, tensorboard: bool = True, truncate_after: Optional[int] = None):
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        tb_dir = os.path.join(run_dir, "tensorboard")
+        kept = None
         if truncate_after is not None:  # resuming: drop rows logged after the checkpoint
-            rows = [r for r in read_metrics(run_dir) if r["step"] <= truncate_after]
-            with open(self.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+            kept = [r for r in read_metrics(run_dir) if r["step"] <= truncate_after]
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            os.replace(tmp, self.path)
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
             try:
-                self._tb = TensorBoardWriter(os.path.join(run_dir, "tensorboard"))
+                if kept is not None:
+                    _remove_event_files(tb_dir)
+                self._tb = TensorBoardWriter(tb_dir)
             except ImportError:  # tensorboard not installed: metrics.jsonl only
                 self._tb = None
+        if self._tb is not None and kept:
+            for row in kept:
+                self._tb.scalars(row["step"], row, wall_time=row.get("time"))
         self.last: dict = {}
 
     def write(self, row: dict) -> None:
         row = {k: _clean(v) for k, v in row.items()}
+        row.setdefault("time", round(time.time(), 3))
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
-            self._tb.scalars(row["step"], row)
+            self._tb.scalars(row["step"], row, wall_time=row["time"])
         self.last = row
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def _remove_event_files(tb_dir: str) -> None:
+    """Deletes the TensorBoard event files of `tb_dir` (they mirror metrics.jsonl, which is kept)."""
+    if os.path.isdir(tb_dir):
+        for name in os.listdir(tb_dir):
+            if name.startswith("events.out.tfevents."):
+                os.remove(os.path.join(tb_dir, name))
 
 
 def _clean(v):

@@ -44,28 +44,46 @@ def decay_mask(params):
     return jax.tree.map(lambda x: x.ndim >= 2, params)
 
 
-def schedule(cfg, total_steps: int, peak: float) -> optax.Schedule:
-    """Linear warmup to `peak`, cosine decay to `peak * min_lr_ratio` at `total_steps`."""
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
+def schedule(cfg, total_steps: int, peak: float, extensions=()) -> optax.Schedule:
+    """Linear warmup to `peak`, cosine decay to `peak * min_lr_ratio` at `total_steps`.
+
+    `extensions` ((step, steps_before), ...) are the points where a resumed run changed its
+    total (`RunConfig.extensions`). The schedule stays continuous through each: from `step`
+    on, the rate decays by a half cosine from the value it had at `step` to the floor at the
+    new total. A change during warmup just moves the end of the cosine (warmup is unchanged).
+    """
+    end = peak * cfg.min_lr_ratio
+    totals = [before for _, before in extensions] + [total_steps]
+    base_total, segments = totals[0], []
+    for (at, _), new_total in zip(extensions, totals[1:]):
+        if not segments and at <= cfg.warmup_steps:
+            base_total = new_total  # still warming up: the same warmup, a later cosine end
+        else:
+            segments.append((at, new_total))
+    warmup = min(cfg.warmup_steps, max(base_total - 1, 0))
+    fns = [optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=peak, warmup_steps=warmup,
-        decay_steps=max(total_steps, warmup + 1), end_value=peak * cfg.min_lr_ratio)
-
-
+        decay_steps=max(base_total, warmup + 1), end_value=end)]
+    for at, new_total in segments:
+        joined = optax.join_schedules(fns, [a for a, _ in segments[:len(fns) - 1]]) if len(fns) > 1 else fns[0]
+        start = float(joined(at))
+        fns.append(optax.cosine_decay_schedule(start, max(new_total - at, 1), alpha=end / start if start else 1.0))
+    return fns[0] if len(fns) == 1 else optax.join_schedules(fns, [at for at, _ in segments])
 def _adamw(cfg, lr, mask_fn=decay_mask):
     return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask_fn)
 
 
-def build_optimizer(cfg, total_steps: int, hidden_mask) -> optax.GradientTransformation:
+def build_optimizer(cfg, total_steps: int, hidden_mask, extensions=()) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW or Muon+AdamW, on a warmup-cosine schedule.
 
-    `hidden_mask` is the bool tree from `hidden_matrix_mask` (ignored for AdamW).
+    `hidden_mask` is the bool tree from `hidden_matrix_mask` (ignored for AdamW);
+    `extensions` as in `schedule`.
     """
-    lr = schedule(cfg, total_steps, cfg.learning_rate)
+    lr = schedule(cfg, total_steps, cfg.learning_rate, extensions)
     if cfg.name == "adamw":
         inner = _adamw(cfg, lr)
     else:
-        adam_lr = schedule(cfg, total_steps, cfg.learning_rate * cfg.adam_lr_ratio)
+        adam_lr = schedule(cfg, total_steps, cfg.learning_rate * cfg.adam_lr_ratio, extensions)
         muon = optax.contrib.muon(lr, beta=cfg.b1 if cfg.b1 > 0.9 else 0.95,
                                   weight_decay=cfg.weight_decay)
         labels = jax.tree.map(lambda hidden: "muon" if hidden else "adamw", hidden_mask)
@@ -73,6 +91,6 @@ def build_optimizer(cfg, total_steps: int, hidden_mask) -> optax.GradientTransfo
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner)
 
 
-def learning_rate(cfg, total_steps: int, step) -> float:
+def learning_rate(cfg, total_steps: int, step, extensions=()) -> float:
     """The (Muon or AdamW) peak-scaled learning rate used at `step`, for logging."""
-    return schedule(cfg, total_steps, cfg.learning_rate)(step)
+    return schedule(cfg, total_steps, cfg.learning_rate, extensions)(step)

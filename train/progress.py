@@ -84,4 +84,4 @@ class Console:
         self.console.print(table)
         self.console.print(f"plots:  python -m train.plot {result.run_dir}")
         if result.status != "done":
-            self.console.print(f"continue: python -m train --resume --run-dir {result.run_dir} ...same flags")
+            self.console.print(f"continue: python -m train --resume --run-dir {result.run_dir}")

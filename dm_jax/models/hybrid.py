@@ -80,7 +80,7 @@ class HybridLM(nnx.Module):
     self.config = config
     d, V = config.d_model, config.vocab_size
     self.dtype = jnp.dtype(config.compute_dtype)
-    self.embed = nnx.Param(jax.random.normal(rngs.params(), (V, d), jnp.float32))
+    self.embed = nnx.Embed(V, d, embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
     self.layers = nnx.List([Block(kind, config, rngs=rngs) for kind in config.pattern])
     self.final_norm = RMSNorm(d, eps=config.norm_eps)
     self.head = None if config.tie_embeddings else Linear(d, V, dtype=self.dtype, rngs=rngs)
@@ -106,13 +106,13 @@ class HybridLM(nnx.Module):
       raise ValueError(f"ablate_attention_layers: {sorted(bad)} are not attention layers "
                        f"{self.config.attention_layer_indices}")
     core_probes, capture = core_probes or {}, capture or {}
-    x = self.embed.get_value()[tokens_BT].astype(self.dtype)
+    x = self.embed(tokens_BT).astype(self.dtype)  # gathered in FP32, then cast
     for i, layer in enumerate(self.layers):
       x = layer(x, segment_ids=segment_ids, ablate=i in ablate_attention_layers,
                 probe=core_probes.get(i), capture=capture.get(i))
     x = self.final_norm(x)
     if self.head is None:
-      emb = self.embed.get_value().astype(self.dtype)
+      emb = self.embed.embedding.get_value().astype(self.dtype)
       logits = jnp.einsum("btd,vd->btv", x, emb, preferred_element_type=jnp.float32)
     else:
       logits = self.head(x)

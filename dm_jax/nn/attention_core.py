@@ -72,6 +72,10 @@ def attention_core(
     )
 
 
+# Keywords `flax.nnx.MultiHeadAttention` passes to its attention_fn besides q, k, v and mask.
+_FLAX_KWARGS = ("dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic", "dtype", "module")
+
+
 def dot_product_attention(
     query,
     key,
@@ -101,8 +105,16 @@ def dot_product_attention(
     dtype, module, and its lax `precision`) are accepted: dropout must be off.
 
     Raises ValueError for a bias, a mask, sequence lengths, a local window or active dropout:
-    the FP8 op has none of these (packed documents go through `segment_ids`).
+    the FP8 op has none of these (packed documents go through `segment_ids`); TypeError for
+    any other keyword (`causal=` included: its name here is `is_causal`), which would
+    otherwise be dropped without effect.
     """
+    unknown = sorted(set(flax_kwargs) - set(_FLAX_KWARGS))
+    if unknown:
+        raise TypeError(
+            f"dot_product_attention: unexpected keyword arguments {unknown}; causality "
+            f"is is_causal=True, the attention backend attn_implementation="
+        )
     unsupported = {
         "bias": bias,
         "mask": mask,

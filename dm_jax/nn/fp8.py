@@ -101,11 +101,32 @@ def fp8_dot_count(closed_jaxpr) -> int:
   return walk(closed_jaxpr.jaxpr)
 
 
-class Linear(nnx.Module):
-  """y = x @ W (+ b), in FP8 (current scaling) or in `dtype` (bf16 by default).
+def fp8_dot_general(x_XK, w_KN, dimension_numbers=None, precision=None,
+                    preferred_element_type=None, **kwargs) -> jax.Array:
+  """`jax.lax.dot_general` as `nnx.Linear` calls it (x's last dim against w's first), with
+  both operands in FP8 (`fp8_matmul`); returns float32 [..., N]."""
+  del precision, preferred_element_type, kwargs  # FP32 accumulation, always
+  if dimension_numbers is not None and dimension_numbers != (((x_XK.ndim - 1,), (0,)), ((), ())):
+    raise ValueError(f"dimension_numbers: the FP8 dot contracts x's last dim with w's first, "
+                     f"got {dimension_numbers}")
+  y_MN = fp8_matmul(x_XK.reshape(-1, x_XK.shape[-1]), w_KN)
+  return y_MN.reshape(*x_XK.shape[:-1], w_KN.shape[-1])
 
-  Weights are stored in float32 (`param_dtype`); the matmul runs in FP8 when `fp8=True`,
-  otherwise in `dtype` with FP32 accumulation.
+
+def _cast_input_only(args, *, dtype=None, inexact=True):
+  """`promote_dtype` for the FP8 path: the input goes to `dtype`, the FP32 kernel (and bias)
+  stay as stored, so the weights are quantized from FP32 and not rounded to bf16 first."""
+  del inexact
+  x, *rest = args
+  return (x if dtype is None else jnp.asarray(x, dtype), *rest)
+
+
+class Linear(nnx.Linear):
+  """`nnx.Linear` (y = x @ W (+ b), weights stored in float32) whose output is in `dtype`
+  (bf16 by default), with the matmul in FP8 (current scaling, `fp8_dot_general`) when
+  `fp8=True`, otherwise in `dtype` with FP32 accumulation.
+
+  The kernel is initialized N(0, init_std^2), init_std defaulting to in_features^-1/2.
   """
 
   def __init__(self, in_features: int, out_features: int, *, fp8: bool = False,
@@ -115,41 +136,32 @@ class Linear(nnx.Module):
       raise ValueError(f"in_features/out_features must be positive, got "
                        f"{in_features}/{out_features}")
     std = init_std if init_std is not None else in_features ** -0.5
-    self.kernel = nnx.Param(std * jax.random.normal(rngs.params(), (in_features, out_features),
-                                                    jnp.float32))
-    self.bias = nnx.Param(jnp.zeros((out_features,), jnp.float32)) if use_bias else None
+    extra = dict(dot_general=fp8_dot_general, promote_dtype=_cast_input_only) if fp8 else {}
+    super().__init__(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                     param_dtype=jnp.float32, kernel_init=jax.nn.initializers.normal(std),
+                     preferred_element_type=jnp.float32, rngs=rngs, **extra)
     self.fp8 = fp8
-    self.dtype = dtype
-    self.in_features, self.out_features = in_features, out_features
 
   def __call__(self, x_XK: jax.Array) -> jax.Array:
     """x_XK [..., in_features] -> [..., out_features] in `dtype`."""
     if x_XK.shape[-1] != self.in_features:
       raise ValueError(f"x: expected last dim {self.in_features}, got shape {x_XK.shape}")
-    lead = x_XK.shape[:-1]
-    x_MK = x_XK.reshape(-1, self.in_features).astype(self.dtype)
-    w = self.kernel.get_value()
-    if self.fp8:
-      y = fp8_matmul(x_MK, w).astype(self.dtype)
-    else:
-      y = _dot(x_MK, w.astype(self.dtype), ((1,), (0,))).astype(self.dtype)
-    if self.bias is not None:
-      y = y + self.bias.get_value().astype(self.dtype)
-    return y.reshape(*lead, self.out_features)
+    return super().__call__(x_XK).astype(self.dtype)
 
 
-class RMSNorm(nnx.Module):
-  """y = x / rms(x) * g, with learned per-channel gains g (init 1); math in FP32."""
+class RMSNorm(nnx.RMSNorm):
+  """`nnx.RMSNorm` (learned per-channel gains `scale`, init 1; statistics in FP32) whose
+  output keeps the input's dtype.
+
+  The gains need no random key: `rngs` may be left out, and none is drawn from the model's
+  streams, so adding a norm leaves the initialization of every other layer unchanged.
+  """
 
   def __init__(self, features: int, *, eps: float = 1e-6, use_scale: bool = True,
                rngs: nnx.Rngs | None = None):
     del rngs
-    self.scale = nnx.Param(jnp.ones((features,), jnp.float32)) if use_scale else None
-    self.eps = eps
+    super().__init__(features, epsilon=eps, use_scale=use_scale, param_dtype=jnp.float32,
+                     rngs=nnx.Rngs(0))
 
   def __call__(self, x_XD: jax.Array) -> jax.Array:
-    x32 = x_XD.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    if self.scale is not None:
-      y = y * self.scale.get_value()
-    return y.astype(x_XD.dtype)
+    return super().__call__(x_XD).astype(x_XD.dtype)

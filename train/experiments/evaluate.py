@@ -106,7 +106,7 @@ def evaluate_run(run_dir: str, preset: ComparePreset, *, log: Callable[[str], No
     hooks = hooks or model_lib.default_hooks()
     model, cfg = loop.load_model(run_dir, hooks=hooks)
     logits_fn = model_logits_fn(model)
-    _, val = data_lib.make_batches(cfg, data_lib.load_splits(cfg.data))
+    _, val = data_lib.make_batches(cfg, data_lib.load_splits(cfg.data), validation=True)
     batches = [val.batch(i) for i in range(preset.val_batches)]
     if cfg.data.packing != "segments":
         batches = [dict(b, segments=None) for b in batches]

@@ -1,0 +1,61 @@
+"""The memory estimate: close to XLA's own buffer assignment, and a one-line refusal when a
+run cannot fit (before anything is allocated)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from test_train_standin import HOOKS, tiny_config
+from train import config as config_lib
+from train import loop, memory, optim, parallel
+from train import model as model_lib
+
+GB = 1e9
+
+
+def _xla_bytes(cfg, build):
+    """Arguments + outputs + temporaries of the compiled train step (compiled, never run)."""
+    model = nnx.eval_shape(lambda: build(cfg))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    tx = cfg.optimizer.build(cfg.steps, optim.hidden_matrix_mask(model, params, cfg.model_config.vocab_size))
+    step, _ = loop.make_step_fns(graphdef, rest, tx, parallel.make_mesh(1))
+    B, T = cfg.batch_size, cfg.seq_len
+    batch = {k: jax.ShapeDtypeStruct((B, T), jnp.float32 if k == "mask" else jnp.int32)
+             for k in ("tokens", "targets", "segments", "mask")}
+    m = step.lower(params, jax.eval_shape(tx.init, params), batch).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+
+
+def test_estimate_tracks_xla_buffer_assignment():
+    cfg = config_lib.parse_args(["--batch-size", "4", "--seq-len", "256", "--run-dir", "x"])
+    need = memory.estimate(cfg, model_lib.build_hybrid)
+    assert 0.7 < (need.state + need.activations) / _xla_bytes(cfg, model_lib.build_hybrid) < 1.5
+
+
+def test_small_preset_on_a_16_gb_machine_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from train.__main__ import main
+
+    cfg = config_lib.parse_args(["--preset", "small", "--run-dir", "x"])
+    need = memory.estimate(cfg, model_lib.build_hybrid)  # batch 16 x 2048 on the CPU
+    assert 22 * GB < need.total < 32 * GB  # XLA assigns 24.7 GB of buffers to this step
+    monkeypatch.setattr(memory, "available_bytes", lambda: (16 * GB, "available host memory"))
+    assert main(["--preset", "small", "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --batch-size 16 --seq-len 2048: the run needs about")
+    assert "16.0 GB is available host memory" in err and "lower --batch-size or --seq-len" in err
+    assert "--skip-memory-check" in err and not (tmp_path / "run").exists()
+
+
+def test_skip_memory_check_starts_anyway(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "available_bytes", lambda: (1e6, "available host memory"))
+    kw = dict(steps=1, ckpt_every=0, eval_every=0, probe_every=0)
+    with pytest.raises(memory.InsufficientMemory, match="needs about"):
+        loop.train(tiny_config(tmp_path / "a", **kw), progress=False, hooks=HOOKS)
+    result = loop.train(tiny_config(tmp_path / "b", skip_memory_check=True, **kw), progress=False, hooks=HOOKS)
+    assert result.status == "done"
+
+
+def test_available_memory_is_read_on_this_machine():
+    have, where = memory.available_bytes()
+    assert have is not None and have > 0 and where

@@ -1,0 +1,185 @@
+"""How much memory a training run needs, estimated before anything is allocated.
+
+    needed = runtime + state + activations
+
+  runtime      RUNTIME_BYTES: Python, jax and the compiled step (measured: about 1 GB of
+               resident memory for the tiny preset, whose arrays are a few MB).
+  state        2 (P + O) + P: the parameters (P bytes, float32) and optimizer state (O bytes,
+               both from the model's and optimizer's shapes, nothing allocated) as the step's
+               inputs and as its outputs, plus one float32 gradient per parameter.
+  activations  B * T * per_token, per_token = sum over layers of
+
+                 c_kind * W_layer                  what the backward pass keeps per token
+                 + pair_bytes * Hq * T             attention layers: ATTENTION_PAIR_BYTES for
+                                                   the pure-JAX (CPU) emulation of the FP8
+                                                   kernels, REFERENCE_ARM_PAIR_BYTES for the
+                                                   f32 `reference` arm, 0 for the Pallas
+                                                   kernels (flash: nothing of size T x T)
+               plus LOGIT_BYTES * vocab (logits, softmax and their gradient).
+
+               W_layer is the summed output width of the layer's matmuls (mixer and SwiGLU),
+               c_kind the bytes kept per unit of it (KIND_BYTES: the recurrent mixers keep
+               their float32 chunk math). For a model that is not a HybridLM every layer
+               counts as GENERIC_BYTES per unit of its matmul output width.
+
+The constants were fitted to XLA's own buffer assignment of the compiled step
+(`compiled.memory_analysis()`) for the tiny and small presets of every family on the CPU:
+within 7% for the small presets (T = 1024 and 2048), within 40% for the tiny ones, whose
+activations are a few MB. docs/training.md lists what each preset needs.
+
+`check(cfg, build, mesh)` compares the estimate with the memory this process can still get
+(the GPU's free memory; on a CPU the host's available memory and any cgroup limit) and
+raises `InsufficientMemory` (a ValueError) with a one-line message when it cannot fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+GB = 1e9
+RUNTIME_BYTES = 1.0e9
+KIND_BYTES = {"gdn": 16.0, "mamba2": 22.0, "kda": 28.0, "attn": 2.0, "mla": 2.0}
+GENERIC_BYTES = 16.0
+ATTENTION_PAIR_BYTES = 4.66  # the pure-JAX emulation of the FP8 kernels
+REFERENCE_ARM_PAIR_BYTES = 20.0  # the `reference` arm's f32 XLA attention holds whole score matrices
+LOGIT_BYTES = 12.0
+
+
+class InsufficientMemory(ValueError):
+    """The run's estimated memory exceeds what is available."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes a training step needs on one device (all devices together on a CPU host)."""
+
+    state: float
+    activations: float
+    runtime: float = RUNTIME_BYTES
+
+    @property
+    def total(self) -> float:
+        return self.state + self.activations + self.runtime
+
+    def describe(self) -> str:
+        return (f"about {size(self.total)} (model and optimizer state {size(self.state)}, "
+                f"activations {size(self.activations)}, runtime {size(self.runtime)})")
+
+
+def size(n_bytes: float) -> str:
+    """'1.2 GB', '45 MB'."""
+    return f"{n_bytes / GB:.1f} GB" if n_bytes >= 0.95 * GB else f"{n_bytes / 1e6:.0f} MB"
+
+
+def _nbytes(tree) -> int:
+    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def _matmul_width(module) -> int:
+    """Summed output width of the `nnx.Linear` layers under `module`."""
+    from flax import nnx
+
+    return int(sum(m.out_features for _, m in nnx.iter_graph(module) if isinstance(m, nnx.Linear)))
+
+
+def per_token_bytes(model, seq_len: int, *, pair_bytes: float) -> float:
+    """Activation bytes per token of a training step (see the module docstring); `pair_bytes`:
+    what the attention core holds per (query, key) pair and head."""
+    config = getattr(model, "config", None)
+    layers = getattr(model, "layers", None)
+    if config is None or layers is None or not hasattr(config, "pattern"):
+        vocab = getattr(config, "vocab_size", 0) if config is not None else 0
+        return GENERIC_BYTES * _matmul_width(model) + LOGIT_BYTES * vocab
+    total = LOGIT_BYTES * config.vocab_size
+    for kind, layer in zip(config.pattern, layers):
+        total += KIND_BYTES[kind] * _matmul_width(layer)
+        if kind in ("attn", "mla"):
+            total += pair_bytes * config.num_heads * seq_len
+    return total
+
+
+def estimate(cfg, build: Callable, n_devices: int = 1, *, gpu: bool = False) -> Estimate:
+    """The memory a step of run `cfg` needs per device (`gpu`) or on the host (all
+    `n_devices` CPU devices share it), from abstract shapes only (nothing is allocated)."""
+    from flax import nnx
+
+    from train import optim
+
+    model = nnx.eval_shape(lambda: build(cfg))
+    params = nnx.state(model, nnx.Param)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
+    tx = cfg.optimizer.build(cfg.steps, optim.hidden_matrix_mask(model, params, vocab))
+    p_bytes, o_bytes = _nbytes(params), _nbytes(jax.eval_shape(tx.init, params))
+    impl = dict(cfg.model.overrides).get("attention_implementation")
+    kernels = impl in ("pallas", "triton", "mosaic") or (impl is None and gpu)
+    pair = REFERENCE_ARM_PAIR_BYTES if cfg.attention == "reference" else 0.0 if kernels else ATTENTION_PAIR_BYTES
+    tokens = cfg.batch_size * cfg.seq_len
+    activations = tokens * per_token_bytes(model, cfg.seq_len, pair_bytes=pair)
+    state = 2 * (p_bytes + o_bytes) + p_bytes
+    if gpu:
+        return Estimate(state, activations / n_devices)
+    return Estimate(state * n_devices, activations)
+
+
+def available_bytes() -> tuple[Optional[float], str]:
+    """(bytes this process can still allocate, where that number comes from); None if unknown."""
+    device = jax.local_devices()[0]
+    if device.platform == "gpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), f"free on {device.device_kind}"
+        return None, "unknown"
+    candidates = []
+    meminfo = _meminfo()
+    if "MemAvailable" in meminfo:
+        candidates.append((meminfo["MemAvailable"], "available host memory"))
+    limit = _cgroup_room()
+    if limit is not None:
+        candidates.append((limit, "left under this container's memory limit"))
+    return min(candidates) if candidates else (None, "unknown")
+
+
+def _meminfo() -> dict:
+    try:
+        with open("/proc/meminfo") as f:
+            return {line.split(":")[0]: float(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
+def _cgroup_room() -> Optional[float]:
+    """Bytes left under a cgroup memory limit (v2, then v1), None without a limit."""
+    for limit_path, used_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                   "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_path) as f:
+                text = f.read().strip()
+            with open(used_path) as f:
+                used = float(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if text == "max" or float(text) > 1 << 60:
+            return None
+        return float(text) - used
+    return None
+
+
+def check(cfg, build: Callable, mesh=None) -> str:
+    """Raises InsufficientMemory (one line: what is needed, what is available, what to change)
+    when the run cannot fit; otherwise returns a note with the estimate."""
+    n = mesh.size if mesh is not None else 1
+    gpu = jax.default_backend() == "gpu"
+    need = estimate(cfg, build, n, gpu=gpu)
+    have, where = available_bytes()
+    if have is None or need.total <= have:
+        return f"memory: needs {need.describe()}" + (f"; {size(have)} {where}" if have else "")
+    raise InsufficientMemory(
+        f"--batch-size {cfg.batch_size} --seq-len {cfg.seq_len}: the run needs {need.describe()} "
+        f"but only {size(have)} is {where}; lower --batch-size or --seq-len (activations grow "
+        f"with both), or pass --skip-memory-check to start anyway")
