@@ -10,6 +10,7 @@ Timing: ``benchmarks.attention.time_step`` (jitted loop over two input sets, med
 ``reps``); "e2e" arms start from bf16 inputs (quantize included), "kernel" arms from
 pre-quantized operands. TFLOP/s = 2 B H T S (Dqk + Dv) (causal: half) / time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,12 +27,13 @@ import numpy as np
 
 import dm_jax
 from benchmarks.attention import cudnn_bf16, time_step
-from dm_jax import reference
-from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
+from dm_jax import backends, reference
+from pallas_kernels.fp8_attention.api import AttentionSpec
+from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
 from pallas_kernels.fp8_attention.mosaic_gpu import ops
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
-from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize, quantize_in_input_layout
-from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
+from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize_in_input_layout
+from pallas_kernels.fp8_attention.tiles import default_tiles
 
 CHECKS = (
     Case("d64", 1, 512, 512, 4, 4, 64, 64),
@@ -50,36 +52,61 @@ def fro(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def spec_of(case: Case) -> AttentionSpec:
+    return AttentionSpec(
+        case.causal, case.delta, case.precision, case.dqk**-0.5, default_tiles(case.dqk, case.dv)
+    )
+
+
 def check(case: Case):
     q, k, v, _ = case.arrays(seed=1)
     ids = case.segment_ids()
-    out, lse = jax.jit(lambda q, k, v, ids: ops.forward(
-        q, k, v, *(ids or (None, None)), causal=case.causal, sm_scale=case.dqk ** -0.5))(q, k, v, ids)
+    mosaic = backends.get("mosaic")
+    out, lse = jax.jit(
+        lambda q, k, v, ids: mosaic.forward(
+            q, k, v, *(ids or (None, None)), spec=spec_of(case), config=MosaicConfig()
+        )
+    )(q, k, v, ids)
     ref = reference.mha_reference(q, k, v, causal=case.causal, segment_ids=ids)
-    emu, emu_lse = reference.flash_forward(q, k, v, ids, causal=case.causal, sm_scale=case.dqk ** -0.5,
-                                           precision="fp8", block_q=64, block_k=128)
+    emu, emu_lse = reference.flash_forward(
+        q,
+        k,
+        v,
+        ids,
+        causal=case.causal,
+        sm_scale=case.dqk**-0.5,
+        precision="fp8",
+        block_q=64,
+        block_k=128,
+    )
     finite = np.isfinite(np.asarray(emu_lse))
-    row = dict(case=case.name, finite=bool(np.isfinite(np.asarray(out)).all()),
-               err_f32=fro(out, ref), err_emulation=fro(out, emu),
-               lse_max_diff=float(np.max(np.abs(np.asarray(lse) - np.asarray(emu_lse))[finite])),
-               lse_inf_match=bool(np.array_equal(finite, np.isfinite(np.asarray(lse)))))
+    row = dict(
+        case=case.name,
+        finite=bool(np.isfinite(np.asarray(out)).all()),
+        err_f32=fro(out, ref),
+        err_emulation=fro(out, emu),
+        lse_max_diff=float(np.max(np.abs(np.asarray(lse) - np.asarray(emu_lse))[finite])),
+        lse_inf_match=bool(np.array_equal(finite, np.isfinite(np.asarray(lse)))),
+    )
     # the Triton forward on the same inputs, for scale
-    tri = dm_jax.attention(q, k, v, causal=case.causal, segment_ids=ids, implementation="pallas")
+    tri = dm_jax.attention(q, k, v, causal=case.causal, segment_ids=ids, implementation="triton")
     row["triton_err_f32"] = fro(tri, ref)
     return row
 
 
 def speed_arms(case: Case):
-    sm = case.dqk ** -0.5
-
     def mosaic(fused):
         config = MosaicConfig(fused_quantize=fused)
-        return lambda q, k, v: ops.forward(q, k, v, causal=case.causal, sm_scale=sm, config=config)[0]
+        return lambda q, k, v: dm_jax.attention(
+            q, k, v, causal=case.causal, implementation="mosaic", config=config
+        )
 
     arms = {
         "mosaic_e2e": mosaic(True),
         "mosaic_e2e_xla_quantize": mosaic(False),
-        "triton_e2e": lambda q, k, v: dm_jax.attention(q, k, v, causal=case.causal, implementation="pallas"),
+        "triton_e2e": lambda q, k, v: dm_jax.attention(
+            q, k, v, causal=case.causal, implementation="triton"
+        ),
         "cudnn_bf16": lambda q, k, v: cudnn_bf16(q, k, v, case.causal),
     }
     if case.dqk == case.dv == 128:
@@ -90,19 +117,20 @@ def speed_arms(case: Case):
 
 
 def kernel_only(case: Case, sets, iters, reps, stages):
-    """The kernel on pre-quantized operands (the quantize pass outside the timed loop)."""
-    prepared = []
-    for q, k, v, _ in sets:
-        q8, k8, v8 = quantize(q), quantize(k), quantize(v, values=False, k_major=True)
-        kv_inv = jnp.stack([k8.inv_rows, v8.inv_rows], axis=3)
+    """The forward kernel (the backend's ``forward_kernel`` pass) on pre-quantized operands."""
+    config = MosaicConfig(stages=stages)
+    prepared, fn = [], None
+    for q, k, v, do in sets:
+        p = backends.get("mosaic").passes(q, k, v, do, spec=spec_of(case), config=config)[
+            "forward_kernel"
+        ]
+        fn = p.fn
+        q8, q_inv, k8, vt8, kv_inv = p.args
         # the timing loop perturbs the first operand: the f32 factors, not an FP8 tensor
-        prepared.append((kv_inv, q8.values, q8.inv_tokens, (k8.values, v8.values_t)))
-    mask = fwd_kernel.ForwardMask(t=case.t, s=case.s, causal=case.causal, segments=False)
+        prepared.append((kv_inv, q8, q_inv, (k8, vt8)))
 
-    def step(kv_inv, q8, qinv, rest):
-        k8, vt8 = rest
-        return fwd_kernel.forward(q8, qinv, k8, vt8, kv_inv, mask=mask, sm_scale=case.dqk ** -0.5,
-                                  stages=stages, out_dtype=jnp.bfloat16)[:1]
+    def step(kv_inv, q8, q_inv, rest):
+        return fn(q8, q_inv, *rest, kv_inv)[:1]
 
     return time_step(step, prepared, iters, reps)
 
@@ -130,12 +158,21 @@ def main(argv=None):
         for causal in (False, True):
             case = dataclasses.replace(BENCH_SHAPES[name], causal=causal)
             sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
-            arms = speed_arms(case) if name == "main" else {
-                k: v for k, v in speed_arms(case).items() if k in ("mosaic_e2e", "triton_e2e", "cudnn_bf16")}
+            arms = (
+                speed_arms(case)
+                if name == "main"
+                else {
+                    k: v
+                    for k, v in speed_arms(case).items()
+                    if k in ("mosaic_e2e", "triton_e2e", "cudnn_bf16")
+                }
+            )
             for arm, fn in arms.items():
                 row = dict(case=name, causal=causal, arm=arm)
                 try:
-                    med, lo, hi = time_step(lambda q, k, v, do, fn=fn: (fn(q, k, v),), sets, args.iters, args.reps)
+                    med, lo, hi = time_step(
+                        lambda q, k, v, do, fn=fn: (fn(q, k, v),), sets, args.iters, args.reps
+                    )
                     row.update(ms=med * 1e3, tflops=case.flops_fwd / med / 1e12)
                 except Exception as e:
                     traceback.print_exc()
@@ -144,8 +181,10 @@ def main(argv=None):
                 result["speed"].append(row)
             if name == "main":
                 row = dict(case=name, causal=causal, arm="quantize_q_k_v")
-                quantize_all = lambda q, k, v, do: (quantize(q).values, quantize(k).values,  # noqa: E731
-                                                    quantize(v, values=False, k_major=True).values_t)
+                quantize_all = lambda q, k, v, do: tuple(  # noqa: E731
+                    x.values if x.values is not None else x.values_t
+                    for x in ops.quantize_operands(q, k, v, MosaicConfig(fused_quantize=False))
+                )
                 med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
                 row.update(ms=med * 1e3, tflops=0.0)
                 print(json.dumps(row), flush=True)
@@ -153,15 +192,19 @@ def main(argv=None):
                 row = dict(case=name, causal=causal, arm="quantize_q_k_v_fused_kernel")
                 quantize_all = lambda q, k, v, do: tuple(  # noqa: E731
                     x.values if x.values is not None else x.values_t
-                    for x in ops.quantize_operands(q, k, v, MosaicConfig()))
+                    for x in ops.quantize_operands(q, k, v, MosaicConfig())
+                )
                 med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
                 row.update(ms=med * 1e3, tflops=0.0)
                 print(json.dumps(row), flush=True)
                 result["speed"].append(row)
                 row = dict(case=name, causal=causal, arm="quantize_q_k_v_input_layout")
                 qil = quantize_in_input_layout
-                quantize_all = lambda q, k, v, do: (qil(q).values, qil(k).values,  # noqa: E731
-                                                    qil(v, values=False, k_major=True).values_t)
+                quantize_all = lambda q, k, v, do: (
+                    qil(q).values,
+                    qil(k).values,  # noqa: E731
+                    qil(v, values=False, k_major=True).values_t,
+                )
                 med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
                 row.update(ms=med * 1e3, tflops=0.0)
                 print(json.dumps(row), flush=True)
@@ -183,14 +226,18 @@ def main(argv=None):
         if "error" in r:
             print(f"| {r['case']} | ERROR {r['error'][:150]} |")
         else:
-            print(f"| {r['case']} | {r['finite']} | {r['err_f32']:.4f} | {r['err_emulation']:.2e} | "
-                  f"{r['lse_max_diff']:.1e} {r['lse_inf_match']} | {r['triton_err_f32']:.4f} |")
+            print(
+                f"| {r['case']} | {r['finite']} | {r['err_f32']:.4f} | {r['err_emulation']:.2e} | "
+                f"{r['lse_max_diff']:.1e} {r['lse_inf_match']} | {r['triton_err_f32']:.4f} |"
+            )
     print("\n| shape | causal | arm | ms | TFLOP/s |")
     for r in result["speed"]:
         if "error" in r:
             print(f"| {r['case']} | {r['causal']} | {r['arm']} | ERROR {r['error'][:120]} |")
         else:
-            print(f"| {r['case']} | {r['causal']} | {r['arm']} | {r['ms']:.3f} | {r['tflops']:.0f} |")
+            print(
+                f"| {r['case']} | {r['causal']} | {r['arm']} | {r['ms']:.3f} | {r['tflops']:.0f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -4,29 +4,34 @@ operands, for Nsight Compute:
     ncu --clock-control none -k regex:dm_fp8 --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats python3 benchmarks/profile_mosaic.py
 """
+
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
-from pallas_kernels.fp8_attention.mosaic_gpu.quantize import quantize
+from dm_jax import backends
+from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.arg_specs import BENCH_MAIN
+from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
+from pallas_kernels.fp8_attention.tiles import default_tiles
 
 
 def main(argv=None):
-    causal = "--causal" in (argv or sys.argv[1:])
-    case = BENCH_MAIN
-    q, k, v, _ = case.arrays(seed=0, dtype=jnp.bfloat16)
-    q8, k8, v8 = quantize(q), quantize(k), quantize(v, values=False, k_major=True)
-    kv_inv = jnp.stack([k8.inv_rows, v8.inv_rows], axis=3)
-    mask = fwd_kernel.ForwardMask(t=case.t, s=case.s, causal=causal, segments=False)
-    run = jax.jit(lambda *a: fwd_kernel.forward(*a, mask=mask, sm_scale=case.dqk ** -0.5,
-                                                stages=2, out_dtype=jnp.bfloat16)[0])
+    case = dataclasses.replace(BENCH_MAIN, causal="--causal" in (argv or sys.argv[1:]))
+    q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
+    spec = AttentionSpec(
+        case.causal, "matched", "fp8", case.dqk**-0.5, default_tiles(case.dqk, case.dv)
+    )
+    kernel = backends.get("mosaic").passes(q, k, v, do, spec=spec, config=MosaicConfig())[
+        "forward_kernel"
+    ]
+    run = jax.jit(kernel.fn)
     for _ in range(3):
-        out = run(q8.values, q8.inv_tokens, k8.values, v8.values_t, kv_inv)
+        out = run(*kernel.args)[0]
     print(float(jnp.sum(out.astype(jnp.float32))))
 
 

@@ -29,11 +29,20 @@ from pallas_kernels.fp8_attention.numerics import DELTA_MODES
 from pallas_kernels.fp8_attention.tiles import NumericsTiles, default_tiles
 
 TIGHT = 1e-5
+# bf16 P and dS: a one-ulp FP32 difference between the kernel's exp and XLA's (a different
+# vectorization on some CPUs) flips a bf16 rounding far more often than an e4m3 one (2^16
+# vs 2^21 boundaries per octave); one flipped P element moves dV by about 2^-9 of a term.
+# Measured 3.8e-5 on dV (d128_bf16_causal) on one CPU, 0 on another.
+TIGHT_BF16 = 1e-4
 # Small tiles so every case runs several query and key tiles (and uneven fwd/bwd tiles).
 SMALL_TILES = NumericsTiles(block_q=64, block_k=32, bwd_block_q=32, bwd_block_k=64)
 
 
-@pytest.fixture(params=backends.kernel_backends())
+# The Mosaic GPU twin fixes its forward tiles (64 x 128), which this suite's small tiles do
+# not describe; tests/test_mosaic_gpu.py checks it against the emulation at its own tiles.
+@pytest.fixture(
+    params=[name for name in backends.kernel_backends() if not name.startswith("mosaic")]
+)
 def implementation(request):
     """The name of one Pallas backend this host can run."""
     return request.param
@@ -82,20 +91,21 @@ def test_kernels_match_reference(implementation, case: Case):
     spec = _spec(case)
     kw = dict(spec=spec, config=kern.default_config(case.dqk, case.dv))
     rkw = dict(spec=spec, config=ref.default_config(case.dqk, case.dv))
+    tight = TIGHT if case.precision == "fp8" else TIGHT_BF16
     out, lse = kern.forward(q, k, v, q_ids, kv_ids, **kw)
     r_out, r_lse = ref.forward(q, k, v, q_ids, kv_ids, **rkw)
     assert out.shape == r_out.shape and out.dtype == r_out.dtype
-    assert _max_rel(out, r_out) <= TIGHT
-    assert _max_rel(lse, r_lse) <= TIGHT
+    assert _max_rel(out, r_out) <= tight
+    assert _max_rel(lse, r_lse) <= tight
     # Backward from the same residuals, so only the backward kernels are compared.
     got = kern.backward(q, k, v, r_out, r_lse, do, q_ids, kv_ids, with_stats=True, **kw)
     want = ref.backward(q, k, v, r_out, r_lse, do, q_ids, kv_ids, **rkw)
     for field in ("dq", "dk", "dv", "delta", "ds_abssum_pre", "ds_abssum_post"):
-        assert _max_rel(getattr(got, field), getattr(want, field)) <= TIGHT, field
+        assert _max_rel(getattr(got, field), getattr(want, field)) <= tight, field
     # Row sums nearly cancel: compare their error with the largest sum_j |dS_ij|.
     for field in ("ds_rowsum_pre", "ds_rowsum_post"):
         err = np.abs(np.asarray(getattr(got, field)) - np.asarray(getattr(want, field)))
-        assert err.max() <= TIGHT * np.asarray(want.ds_abssum_pre).max(), field
+        assert err.max() <= tight * np.asarray(want.ds_abssum_pre).max(), field
     # Against high-precision attention: FP8 (or bf16) error level.
     hp = _high_precision_grads(case, q, k, v, do)
     tol = 0.1 if case.precision == "fp8" else 0.02

@@ -1,5 +1,6 @@
 """The Mosaic GPU backend on a CPU: its layouts and permutations, its refusals, and (jax >=
 0.11) that every kernel variant lowers for CUDA. Numbers on the GPU: docs/mosaic_gpu.md."""
+
 from __future__ import annotations
 
 import jax
@@ -7,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dm_jax import numerics
+from pallas_kernels.fp8_attention import numerics
+from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.mosaic_gpu import config, regroup
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize as mq
+from pallas_kernels.fp8_attention.tiles import NumericsTiles
 
 JAX_011 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
 
@@ -39,10 +42,16 @@ def test_quantize_pass_matches_the_contract(variant):
     want, scales = numerics.quantize_tokens(bhtd)
     as_f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
     np.testing.assert_array_equal(as_f32(got.values), as_f32(want))
-    np.testing.assert_array_equal(as_f32(got.values_t), as_f32(regroup.permute_tokens(jnp.swapaxes(want, 2, 3))))
-    np.testing.assert_array_equal(np.asarray(got.inv_tokens), np.repeat(1 / np.asarray(scales), 128, -1))
+    np.testing.assert_array_equal(
+        as_f32(got.values_t), as_f32(regroup.permute_tokens(jnp.swapaxes(want, 2, 3)))
+    )
+    np.testing.assert_array_equal(
+        np.asarray(got.inv_tokens), np.repeat(1 / np.asarray(scales), 128, -1)
+    )
     np.testing.assert_array_equal(np.asarray(got.inv_rows)[..., 0], 1 / np.asarray(scales))
-    assert np.isnan(as_f32(got.values)[0, 1, 5, 3]) and np.isfinite(np.asarray(got.inv_tokens)).all()
+    assert (
+        np.isnan(as_f32(got.values)[0, 1, 5, 3]) and np.isfinite(np.asarray(got.inv_tokens)).all()
+    )
 
 
 @pytest.mark.parametrize("shape", [(2, 300, 3, 64), (1, 128, 2, 256)])
@@ -59,32 +68,41 @@ def test_fused_quantize_kernel_is_bitwise_the_xla_pass(shape):
             if getattr(want, name) is None:
                 assert getattr(got, name) is None
                 continue
-            np.testing.assert_array_equal(as_f32(getattr(got, name)), as_f32(getattr(want, name)),
-                                          err_msg=name)
+            np.testing.assert_array_equal(
+                as_f32(getattr(got, name)), as_f32(getattr(want, name)), err_msg=name
+            )
 
 
-@pytest.mark.skipif(JAX_011, reason=f"the Triton IR capture uses jax 0.10's private lowering; this is jax {jax.__version__}")
+@pytest.mark.skipif(
+    JAX_011,
+    reason=f"the Triton IR capture uses jax 0.10's private lowering; this is jax {jax.__version__}",
+)
 def test_fused_quantize_kernel_lowers_to_triton():
     from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
-    from pallas_kernels.fp8_attention.triton_ir import lower_for_cuda
+    from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
     x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     modules = lower_for_cuda(lambda x: quantize_kernel.quantize(x, k_major=True), x)
     assert list(modules) == ["dm_fp8_attention_quantize"]
 
 
+def _spec(causal=False, precision="fp8", d=128):
+    return AttentionSpec(causal, "matched", precision, d**-0.5, NumericsTiles(64, 64, 64, 64))
+
+
 def test_supported_explains_refusals():
     cfg = config.MosaicConfig()
     shape = (1, 256, 2, 128)
+    fp8, bf16 = _spec(), _spec(precision="bf16")
     if not JAX_011:
-        assert "jax >= 0.11" in config.supported(shape, shape, shape, jnp.bfloat16, "fp8", cfg)
+        assert "jax >= 0.11" in config.supported(shape, shape, shape, jnp.bfloat16, fp8, cfg)
         return
-    assert config.supported(shape, shape, shape, jnp.bfloat16, "fp8", cfg) is None
-    assert "precision='fp8' only" in config.supported(shape, shape, shape, jnp.bfloat16, "bf16", cfg)
+    assert config.supported(shape, shape, shape, jnp.bfloat16, fp8, cfg) is None
+    assert "precision='fp8' only" in config.supported(shape, shape, shape, jnp.bfloat16, bf16, cfg)
     odd = (1, 256, 2, 96)
-    assert "multiples of 64" in config.supported(odd, odd, odd, jnp.bfloat16, "fp8", cfg)
+    assert "multiples of 64" in config.supported(odd, odd, odd, jnp.bfloat16, fp8, cfg)
     wide = (1, 256, 2, 256)
-    assert "shared memory" in config.supported(wide, wide, wide, jnp.float32, "fp8", cfg)
+    assert "shared memory" in config.supported(wide, wide, wide, jnp.float32, fp8, cfg)
     with pytest.raises(ValueError, match="stages"):
         config.MosaicConfig(stages=0)
 
@@ -97,8 +115,16 @@ CASES = [  # (b, t, s, hq, hkv, dqk, dv, causal, segments, dtype)
 ]
 
 
-@pytest.mark.skipif(not JAX_011, reason=f"Mosaic GPU kernels lower with jax >= 0.11; this is jax {jax.__version__}")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:7])) + ("_causal" if c[7] else "") + ("_seg" if c[8] else ""))
+@pytest.mark.skipif(
+    not JAX_011, reason=f"Mosaic GPU kernels lower with jax >= 0.11; this is jax {jax.__version__}"
+)
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: (
+        "x".join(map(str, c[:7])) + ("_causal" if c[7] else "") + ("_seg" if c[8] else "")
+    ),
+)
 def test_forward_lowers_for_cuda(case):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
@@ -108,10 +134,71 @@ def test_forward_lowers_for_cuda(case):
     ids = [sds((b, t), jnp.int32), sds((b, s), jnp.int32)] if segments else [None, None]
 
     def fn(q, k, v, q_ids, kv_ids):  # the Triton quantize kernel needs a GPU to lower on 0.11
-        return ops.forward(q, k, v, q_ids, kv_ids, causal=causal, sm_scale=dqk ** -0.5,
-                           config=config.MosaicConfig(fused_quantize=False))
+        return ops.forward(
+            q,
+            k,
+            v,
+            q_ids,
+            kv_ids,
+            spec=_spec(causal, d=dqk),
+            config=config.MosaicConfig(fused_quantize=False),
+        )
 
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args, *ids)
     text = exported.mlir_module()
     assert "mosaic_gpu" in text
     assert [tuple(a.shape) for a in exported.out_avals] == [(b, t, hq, dv), (b, hq, t)]
+
+
+TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, segment length)
+    (1, 256, 256, 2, 2, 64, False, None),
+    (2, 200, 136, 4, 2, 64, True, 70),  # GQA, ragged cross lengths, causal, packed segments
+]
+
+
+@pytest.mark.skipif(
+    not JAX_011,
+    reason=f"Pallas' GPU interpret mode runs Mosaic GPU kernels from jax 0.11; this is jax {jax.__version__}",
+)
+@pytest.mark.parametrize(
+    "case",
+    TWIN_CASES,
+    ids=lambda c: (
+        "x".join(map(str, c[:6])) + ("_causal" if c[6] else "") + ("_seg" if c[7] else "")
+    ),
+)
+def test_interpret_twin_matches_the_emulation(case):
+    """The kernel in Pallas' GPU interpret mode (threads, barriers, TMA and wgmma simulated;
+    the raw register regroup replaced by its permutation in plain JAX) against the blockwise
+    emulation at the kernel's tiles (64 x 128) and against f32 attention."""
+    import dm_jax
+    from dm_jax import reference
+
+    b, t, s, hq, hkv, d, causal, seg = case
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    q = jax.random.normal(ks[0], (b, t, hq, d))
+    k, v = jax.random.normal(ks[1], (b, s, hkv, d)), jax.random.normal(ks[2], (b, s, hkv, d))
+    ids = None
+    if seg:
+        ids = (
+            (jnp.arange(t)[None] // seg).repeat(b, 0),
+            ((jnp.arange(s)[None] + 3) // seg).repeat(b, 0),
+        )
+    out = dm_jax.attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=ids,
+        implementation="mosaic_interpret",
+        config=config.MosaicConfig(fused_quantize=False),
+    )
+    emu, _ = reference.flash_forward(
+        q, k, v, ids, causal=causal, sm_scale=d**-0.5, precision="fp8", block_q=64, block_k=128
+    )
+    f32 = reference.mha_reference(q, k, v, causal=causal, segment_ids=ids)
+    fro = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))  # noqa: E731
+    # equal but for exp2 against exp, which can flip an FP8 rounding of P (one row of the
+    # ragged case by 1e-3: Frobenius 5e-5); a wrong mask or scale is 1e-2 or more
+    assert fro(out, emu) < 2e-4
+    assert fro(out, f32) < 0.1

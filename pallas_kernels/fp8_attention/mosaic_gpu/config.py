@@ -4,6 +4,7 @@ The tiles that change results are fixed by the kernel's design, not by this conf
 query rows per CTA (two consumer warpgroups of 64), 128-key tiles (one scale block of the
 numerics contract, so one K and one V decode factor per tile).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
+from pallas_kernels.fp8_attention.triton import config as triton_config
 
 TESTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
 MIN_JAX = (0, 11)
@@ -25,35 +27,52 @@ class MosaicConfig:
 
     stages: int = 2
     fused_quantize: bool = True
+    # The matched delta, dQ and dK/dV passes are the Triton kernels for now (on the Mosaic
+    # forward's log-sum-exp); None: Triton's default launch settings for the head dims.
+    backward: Optional[triton_config.TritonConfig] = None
 
     def __post_init__(self):
         if not 1 <= self.stages <= 4:
             raise ValueError(f"stages must be in [1, 4], got {self.stages}")
 
+    def backward_config(self, head_dim_qk: int, head_dim_v: int) -> triton_config.TritonConfig:
+        if self.backward is not None:
+            return self.backward
+        return triton_config.default_config(head_dim_qk, head_dim_v)
+
 
 def default_config(head_dim_qk: int, head_dim_v: int) -> MosaicConfig:
     """Two stages everywhere (measured on the H200: three gave no gain at D=128,
-    docs/benchmarks.md); D=256 drops to the stages that fit (one)."""
+    docs/mosaic_gpu.md); D=256 drops to the stages that fit (one)."""
     del head_dim_qk, head_dim_v
     return MosaicConfig(stages=2)
 
 
-def supported(q_shape, k_shape, v_shape, dtype, precision: str,
-              config: MosaicConfig) -> Optional[str]:
+def supported(q_shape, k_shape, v_shape, dtype, spec, config: MosaicConfig) -> Optional[str]:
     """None if the Mosaic GPU kernels run this call, else a sentence saying what they run."""
     import jax
 
+    precision = spec.precision
     if tuple(int(x) for x in jax.__version__.split(".")[:2]) < MIN_JAX:
         return f"needs jax >= {'.'.join(map(str, MIN_JAX))} (this is jax {jax.__version__})"
     if precision != "fp8":
         return f"precision={precision!r}: the Mosaic GPU kernels run precision='fp8' only"
     dqk, dv = q_shape[-1], v_shape[-1]
     if dqk % 64 or dv % 64 or max(dqk, dv) > 256:
-        return (f"head dims ({dqk}, {dv}): the Mosaic GPU kernels take multiples of 64 up to 256 "
-                f"(tested: {', '.join(f'{a}/{b}' for a, b in TESTED_HEAD_DIMS)})")
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return (
+            f"head dims ({dqk}, {dv}): the Mosaic GPU kernels take multiples of 64 up to 256 "
+            f"(tested: {', '.join(f'{a}/{b}' for a, b in TESTED_HEAD_DIMS)})"
+        )
+    if jnp.dtype(dtype) not in (
+        jnp.dtype(jnp.float32),
+        jnp.dtype(jnp.bfloat16),
+        jnp.dtype(jnp.float16),
+    ):
         return f"dtype {dtype}: the Mosaic GPU kernels take float32, bfloat16 or float16 inputs"
     if fwd_kernel.smem_bytes(1, dqk, dv, dtype) > fwd_kernel.SMEM_BYTES:
-        return (f"a {jnp.dtype(dtype).name} output tile of head dim {dv} does not fit shared memory "
-                f"with the Q, K and V^T tiles; use bfloat16 inputs")
-    return None
+        return (
+            f"a {jnp.dtype(dtype).name} output tile of head dim {dv} does not fit shared memory "
+            f"with the Q, K and V^T tiles; use bfloat16 inputs"
+        )
+    backward = config.backward_config(dqk, dv)
+    return triton_config.supported(q_shape, k_shape, v_shape, dtype, spec, backward)

@@ -16,6 +16,7 @@ units (c = sm_scale * log2(e)), for the 64 rows of a consumer warpgroup:
 P256 is cast to e4m3 in registers and regrouped into the 8-bit operand layout
 (:mod:`.regroup`); V^T arrives with its tokens permuted to match.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -77,8 +78,21 @@ def fitting_stages(stages: int, n_k: int, dqk: int, dv: int, out_dtype) -> int:
     return stages
 
 
-def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: ForwardMask,
-            sm_scale: float, stages: int, out_dtype, interpret: bool = False):
+def forward(
+    q8,
+    q_inv,
+    k8,
+    vt8,
+    kv_inv,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    mask: ForwardMask,
+    sm_scale: float,
+    stages: int,
+    out_dtype,
+    interpret: bool = False,
+):
     """Run the forward kernel on quantized, padded operands.
 
     Args:
@@ -110,8 +124,18 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
         else:
             (o_ref, lse_ref, scratch), qseg_ref, kvseg_ref = rest, None, None
         smem, barriers = scratch
-        (q_smem2, o_smem2, lse_smem2, qinv_smem2, qseg_smem2, k_smem, vt_smem, kvinv_smem,
-         kseg_smem, p_smem2) = smem
+        (
+            q_smem2,
+            o_smem2,
+            lse_smem2,
+            qinv_smem2,
+            qseg_smem2,
+            k_smem,
+            vt_smem,
+            kvinv_smem,
+            kseg_smem,
+            p_smem2,
+        ) = smem
         q_bars, k_bars, v_bars, aux_bars, k_free, v_free, schedule = barriers
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
         q_tile = lax.axis_index("q_seq")
@@ -133,11 +157,13 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
             row0 = q_tile * block_q + wg * ROWS
             rows = pl.ds(row0, ROWS)
             plgpu.copy_gmem_to_smem(q_ref.at[batch, head, rows], q_smem, q_bars.at[wg])
-            plgpu.copy_gmem_to_smem(qinv_ref.at[batch, head, rows], qinv_smem2.at[wg],
-                                    q_bars.at[WARPGROUPS + wg])
+            plgpu.copy_gmem_to_smem(
+                qinv_ref.at[batch, head, rows], qinv_smem2.at[wg], q_bars.at[WARPGROUPS + wg]
+            )
             if mask.segments:
-                plgpu.copy_gmem_to_smem(qseg_ref.at[batch, rows], qseg_smem2.at[wg],
-                                        q_bars.at[2 * WARPGROUPS + wg])
+                plgpu.copy_gmem_to_smem(
+                    qseg_ref.at[batch, rows], qseg_smem2.at[wg], q_bars.at[2 * WARPGROUPS + wg]
+                )
                 plgpu.barrier_wait(q_bars.at[2 * WARPGROUPS + wg])
                 q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
             plgpu.barrier_wait(q_bars.at[WARPGROUPS + wg])
@@ -154,8 +180,9 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
                 full = jnp.zeros_like(steps)
             full = jnp.minimum(full, steps)
 
-            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1))
+            m = plgpu.layout_cast(
+                jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
+            )
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -183,14 +210,20 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * lax.broadcast_in_dim(row_scale * inv_k, s.shape, [0])
                 if masked:
-                    q_pos = row0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-                    k_pos = j * BLOCK + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+                    q_pos = row0 + plgpu.broadcasted_iota(
+                        jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA
+                    )
+                    k_pos = j * BLOCK + plgpu.broadcasted_iota(
+                        jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA
+                    )
                     valid = k_pos < mask.s
                     if mask.causal:
                         valid = valid & (q_pos >= k_pos)
                     if mask.segments:
-                        valid = valid & (lax.broadcast_in_dim(q_seg, s.shape, [0])
-                                         == lax.broadcast_in_dim(k_seg, s.shape, [1]))
+                        valid = valid & (
+                            lax.broadcast_in_dim(q_seg, s.shape, [0])
+                            == lax.broadcast_in_dim(k_seg, s.shape, [1])
+                        )
                     s = jnp.where(valid, s, -jnp.inf)
 
                 m_new = jnp.maximum(m, s.max(axis=1))
@@ -264,18 +297,26 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
 
             def load_k(j, slot):  # K, and the factors and segments read with S
                 keys = pl.ds(j * BLOCK, BLOCK)
-                plgpu.copy_gmem_to_smem(k_ref.at[batch, kv_head, keys], k_smem.at[slot], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(kvinv_ref.at[batch, kv_head, j], kvinv_smem.at[slot],
-                                        aux_bars.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    k_ref.at[batch, kv_head, keys], k_smem.at[slot], k_bars.at[slot]
+                )
+                plgpu.copy_gmem_to_smem(
+                    kvinv_ref.at[batch, kv_head, j], kvinv_smem.at[slot], aux_bars.at[slot]
+                )
                 if mask.segments:
-                    plgpu.copy_gmem_to_smem(kvseg_ref.at[batch, keys], kseg_smem.at[slot],
-                                            aux_bars.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        kvseg_ref.at[batch, keys], kseg_smem.at[slot], aux_bars.at[slot]
+                    )
 
             def load_v(j, slot):
-                plgpu.copy_gmem_to_smem(vt_ref.at[batch, kv_head, :, pl.ds(j * BLOCK, BLOCK)],
-                                        vt_smem.at[slot], v_bars.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    vt_ref.at[batch, kv_head, :, pl.ds(j * BLOCK, BLOCK)],
+                    vt_smem.at[slot],
+                    v_bars.at[slot],
+                )
 
             for i in range(stages):
+
                 @pl.when(i < cta_steps)
                 def _():
                     load_k(i, i)
@@ -315,16 +356,17 @@ def forward(q8, q_inv, k8, vt8, kv_inv, q_seg=None, kv_seg=None, *, mask: Forwar
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # V slot free
             plgpu.Barrier(num_arrivals=WARPGROUPS),  # tensor-core schedule
         )
-        pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers,
-                      collective_axes="wg")
+        pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers, collective_axes="wg")
 
     args = [q8, q_inv, k8, vt8, kv_inv]
     if mask.segments:
         args += [q_seg, kv_seg]
     o, lse = plgpu.kernel(
         dm_fp8_attention_forward_mosaic,
-        out_type=[jax.ShapeDtypeStruct((b, tp, hq, dv), out_dtype),
-                  jax.ShapeDtypeStruct((b, hq, tp), jnp.float32)],
+        out_type=[
+            jax.ShapeDtypeStruct((b, tp, hq, dv), out_dtype),
+            jax.ShapeDtypeStruct((b, hq, tp), jnp.float32),
+        ],
         grid=(hq, tp // block_q, b),
         grid_names=("heads", "q_seq", "batch"),
         num_threads=WARPGROUPS + 1,

@@ -12,6 +12,7 @@ The tile is read as [8, 2, 4, 2, D] (16-token groups split as (h, t, e)), so the
 token order is one transpose of the tile: (h, t, e) -> (t, h, e). Head dims must be powers
 of two (Triton blocks); :func:`quantize` falls back to the XLA pass otherwise.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dm_jax import numerics
+from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize as xla_pass
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import BLOCK, ROWS, MosaicOperand
 
@@ -46,8 +47,9 @@ def fused_supported(d: int) -> bool:
     return d >= 16 and d & (d - 1) == 0
 
 
-def quantize(x_BTHD, *, values: bool = True, k_major: bool = False,
-             interpret: bool = False) -> MosaicOperand:
+def quantize(
+    x_BTHD, *, values: bool = True, k_major: bool = False, interpret: bool = False
+) -> MosaicOperand:
     """:func:`.quantize.quantize` in one kernel (head dims that are powers of two)."""
     b, t, h, d = x_BTHD.shape
     if not fused_supported(d):
@@ -57,20 +59,32 @@ def quantize(x_BTHD, *, values: bool = True, k_major: bool = False,
     n = tp // BLOCK
     x = x.reshape(b, tp // 16, 2, 4, 2, h, d)
     grid = (n, b, h)
-    in_spec = pl.BlockSpec((None, GROUPS, 2, 4, 2, None, d), lambda i, bi, hi: (bi, i, 0, 0, 0, hi, 0))
+    in_spec = pl.BlockSpec(
+        (None, GROUPS, 2, 4, 2, None, d), lambda i, bi, hi: (bi, i, 0, 0, 0, hi, 0)
+    )
     out_specs, out_shape = [], []
     if values:
-        out_specs.append(pl.BlockSpec((None, None, GROUPS, 2, 4, 2, d),
-                                      lambda i, bi, hi: (bi, hi, i, 0, 0, 0, 0)))
+        out_specs.append(
+            pl.BlockSpec(
+                (None, None, GROUPS, 2, 4, 2, d), lambda i, bi, hi: (bi, hi, i, 0, 0, 0, 0)
+            )
+        )
         out_shape.append(jax.ShapeDtypeStruct((b, h, tp // 16, 2, 4, 2, d), numerics.FP8_DTYPE))
     if k_major:
-        out_specs.append(pl.BlockSpec((None, None, d, GROUPS, 4, 2, 2),
-                                      lambda i, bi, hi: (bi, hi, 0, i, 0, 0, 0)))
+        out_specs.append(
+            pl.BlockSpec(
+                (None, None, d, GROUPS, 4, 2, 2), lambda i, bi, hi: (bi, hi, 0, i, 0, 0, 0)
+            )
+        )
         out_shape.append(jax.ShapeDtypeStruct((b, h, d, tp // 16, 4, 2, 2), numerics.FP8_DTYPE))
-    out_specs += [pl.BlockSpec((None, None, BLOCK), lambda i, bi, hi: (bi, hi, i)),
-                  pl.BlockSpec((None, None, None, ROWS), lambda i, bi, hi: (bi, hi, i, 0))]
-    out_shape += [jax.ShapeDtypeStruct((b, h, tp), jnp.float32),
-                  jax.ShapeDtypeStruct((b, h, n, ROWS), jnp.float32)]
+    out_specs += [
+        pl.BlockSpec((None, None, BLOCK), lambda i, bi, hi: (bi, hi, i)),
+        pl.BlockSpec((None, None, None, ROWS), lambda i, bi, hi: (bi, hi, i, 0)),
+    ]
+    out_shape += [
+        jax.ShapeDtypeStruct((b, h, tp), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, n, ROWS), jnp.float32),
+    ]
     outs = pl.pallas_call(
         functools.partial(_kernel, values=values, k_major=k_major),
         grid=grid,

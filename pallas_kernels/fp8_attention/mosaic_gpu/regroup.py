@@ -16,6 +16,7 @@ P @ V) is stored with its token axis permuted the same way by the quantize pre-p
 (:func:`permute_tokens`, one reshape + transpose). :func:`permute_columns` is the same
 permutation in plain JAX, for the interpret twin, which cannot run raw Mosaic code.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ def permute_columns(x, axis=-1):
     n = x.shape[axis]
     if n % GROUP:
         raise ValueError(f"permute_columns: axis length {n} is not a multiple of {GROUP}")
-    shape = x.shape[:axis] + (n // GROUP, 2, 4, 2) + x.shape[axis + 1:]
+    shape = x.shape[:axis] + (n // GROUP, 2, 4, 2) + x.shape[axis + 1 :]
     y = x.reshape(shape)
     # source (h, t, e) -> new (t, h, e)
     y = jnp.swapaxes(y, axis + 1, axis + 2)
