@@ -12,6 +12,7 @@ median of ``reps`` runs. TFLOP/s: fwd = 2 B H T S (Dqk + Dv) (causal: half), fwd
 3.5 x fwd. Memory: XLA's compiled memory analysis of one step (temporaries + outputs).
 Error: relative Frobenius error of the output and the gradients against f32 attention.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,11 +42,23 @@ def arms(case: Case, implementation="pallas"):
     import dataclasses
 
     def ours(delta, precision, accumulation=None):
-        config = None if accumulation is None else dataclasses.replace(
-            default_config(case.dqk, case.dv), fp8_accumulation=accumulation)
+        config = (
+            None
+            if accumulation is None
+            else dataclasses.replace(
+                default_config(case.dqk, case.dv), fp8_accumulation=accumulation
+            )
+        )
         return lambda q, k, v: dm_jax.attention(
-            q, k, v, causal=case.causal, delta=delta, precision=precision,
-            implementation=implementation, config=config)
+            q,
+            k,
+            v,
+            causal=case.causal,
+            delta=delta,
+            precision=precision,
+            implementation=implementation,
+            config=config,
+        )
 
     out = {
         "ours_fp8_matched": ours("matched", "fp8"),
@@ -66,7 +79,8 @@ def arms(case: Case, implementation="pallas"):
     out["cudnn_bf16"] = lambda q, k, v: cudnn_bf16(q, k, v, case.causal)
     if case.t <= 4096:  # XLA materializes the [B, H, T, S] logits
         out["xla_bf16"] = lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=case.causal, implementation="xla")
+            q, k, v, is_causal=case.causal, implementation="xla"
+        )
     return out
 
 
@@ -158,7 +172,9 @@ def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="p
     for name in [n for n in only if n in available] if only else list(available):
         attn = available[name]
         if time.time() > budget_end:
-            rows.append(dict(case=case.name, causal=case.causal, arm=name, error="skipped: time budget"))
+            rows.append(
+                dict(case=case.name, causal=case.causal, arm=name, error="skipped: time budget")
+            )
             continue
         row = dict(case=case.name, causal=case.causal, arm=name)
         try:
@@ -174,17 +190,22 @@ def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="p
 
 
 def table(rows):
-    lines = ["| shape | arm | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms | mem MiB | err out | err dq | err dk | err dv |",
-             "|" + " --- |" * 11]
+    lines = [
+        "| shape | arm | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms | mem MiB | err out | err dq | err dk | err dv |",
+        "|" + " --- |" * 11,
+    ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['case']}{' causal' if r['causal'] else ''} | {r['arm']} | {r['error'][:80]} |")
+            lines.append(
+                f"| {r['case']}{' causal' if r['causal'] else ''} | {r['arm']} | {r['error'][:80]} |"
+            )
             continue
         e = r["err"]
         lines.append(
             f"| {r['case']}{' causal' if r['causal'] else ''} | {r['arm']} | {r['fwd_tflops']:.0f} | "
             f"{r['fwdbwd_tflops']:.0f} | {r['fwd_ms']:.3f} | {r['fwdbwd_ms']:.3f} | "
-            f"{r['fwdbwd_mem_mib']:.0f} | {e['out']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | {e['dv']:.2e} |")
+            f"{r['fwdbwd_mem_mib']:.0f} | {e['out']:.2e} | {e['dq']:.2e} | {e['dk']:.2e} | {e['dv']:.2e} |"
+        )
     return "\n".join(lines)
 
 
@@ -199,10 +220,16 @@ def main(argv=None):
     p.add_argument("--arms", default="", help="comma-separated subset, run in this order")
     p.add_argument("--causal", default="both", choices=("both", "0", "1"))
     p.add_argument("--tag", default="", help="suffix of the JSON file name")
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU check of the script: each shape shrunk to [1, 256, 2 heads], interpret mode")
-    p.add_argument("--shapes", default="main",
-                   help=f"comma-separated, from {sorted(BENCH_SHAPES)} (fp8_attention/arg_specs.py)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU check of the script: each shape shrunk to [1, 256, 2 heads], interpret mode",
+    )
+    p.add_argument(
+        "--shapes",
+        default="main",
+        help=f"comma-separated, from {sorted(BENCH_SHAPES)} (fp8_attention/arg_specs.py)",
+    )
     args = p.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
@@ -222,8 +249,13 @@ def main(argv=None):
             if args.smoke:
                 case, impl = case.shrunk(), "triton_interpret"
             rows += bench_case(case, args.iters, args.reps, start + args.budget, only, impl)
-    info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows,
-                seconds=time.time() - start, argv=sys.argv)
+    info = dict(
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        rows=rows,
+        seconds=time.time() - start,
+        argv=sys.argv,
+    )
     with open(os.path.join(args.out, f"benchmarks{args.tag}.json"), "w") as f:
         json.dump(info, f, indent=1)
     print(table(rows))

@@ -9,6 +9,7 @@ plus the normalized pre-/post-cast dS row sums |sum_j dS_ij| / sum_j |dS_ij|.
 
 Prints a table and writes correctness.json (one record per case and mode).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,32 +73,47 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
     q_ids, kv_ids = ids if ids is not None else (None, None)
 
     def spec(mode):
-        return AttentionSpec(case.causal, mode, case.precision, case.dqk ** -0.5,
-                             default_tiles(case.dqk, case.dv))
+        return AttentionSpec(
+            case.causal, mode, case.precision, case.dqk**-0.5, default_tiles(case.dqk, case.dv)
+        )
 
     kern, cfg = backends.resolve(implementation, q, k, v, spec(modes[0]))
     cfg = dataclasses.replace(cfg, **(overrides or {}))
     ref = backends.get("reference")
     ref_cfg = ref.default_config(case.dqk, case.dv)
-    fwd = jax.jit(lambda q, k, v, qi, ki, s: kern.forward(q, k, v, qi, ki, spec=s, config=cfg),
-                  static_argnums=5)
+    fwd = jax.jit(
+        lambda q, k, v, qi, ki, s: kern.forward(q, k, v, qi, ki, spec=s, config=cfg),
+        static_argnums=5,
+    )
     out, lse = fwd(q, k, v, q_ids, kv_ids, spec(modes[0]))
 
     hp = f32_out_and_grads(q, k, v, do, case.causal, ids)
     if with_reference:
         r_out, r_lse = jax.jit(
             lambda q, k, v, qi, ki, s: ref.forward(q, k, v, qi, ki, spec=s, config=ref_cfg),
-            static_argnums=5)(q, k, v, q_ids, kv_ids, spec(modes[0]))
+            static_argnums=5,
+        )(q, k, v, q_ids, kv_ids, spec(modes[0]))
     records = []
     for mode in modes:
         t0 = time.time()
         s = spec(mode)
         bwd = jax.jit(lambda *a, s=s: kern.backward(*a, spec=s, config=cfg, with_stats=True))
         g = bwd(q, k, v, out, lse, do, q_ids, kv_ids)
-        rec = dict(case=case.name, b=case.b, t=case.t, hq=case.hq, hkv=case.hkv, dqk=case.dqk,
-                   dv=case.dv, causal=case.causal, segments=case.segment_len is not None,
-                   precision=case.precision, delta=mode, implementation=kern.name,
-                   config=dataclasses.asdict(cfg))
+        rec = dict(
+            case=case.name,
+            b=case.b,
+            t=case.t,
+            hq=case.hq,
+            hkv=case.hkv,
+            dqk=case.dqk,
+            dv=case.dv,
+            causal=case.causal,
+            segments=case.segment_len is not None,
+            precision=case.precision,
+            delta=mode,
+            implementation=kern.name,
+            config=dataclasses.asdict(cfg),
+        )
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
             rec[f"hp_{name}"] = fro_rel(a, b)
         rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
@@ -105,7 +121,8 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
         rec["finite"] = bool(all(jnp.all(jnp.isfinite(x)) for x in (out, g.dq, g.dk, g.dv)))
         if with_reference:
             rg = jax.jit(lambda *a, s=s: ref.backward(*a, spec=s, config=ref_cfg))(
-                q, k, v, out, lse, do, q_ids, kv_ids)
+                q, k, v, out, lse, do, q_ids, kv_ids
+            )
             rec["ref_out"] = max_rel(out, r_out)
             rec["fro_ref_out"] = fro_rel(out, r_out)
             for name in ("dq", "dk", "dv", "delta"):
@@ -119,9 +136,27 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
 
 
 def table(records):
-    cols = ["case", "delta", "precision", "ref_out", "ref_dq", "ref_dk", "ref_dv", "ref_delta",
-            "fro_ref_out", "fro_ref_dq", "fro_ref_dk", "fro_ref_dv",
-            "hp_out", "hp_dq", "hp_dk", "hp_dv", "pre_max", "pre_median", "post_median"]
+    cols = [
+        "case",
+        "delta",
+        "precision",
+        "ref_out",
+        "ref_dq",
+        "ref_dk",
+        "ref_dv",
+        "ref_delta",
+        "fro_ref_out",
+        "fro_ref_dq",
+        "fro_ref_dk",
+        "fro_ref_dv",
+        "hp_out",
+        "hp_dq",
+        "hp_dk",
+        "hp_dv",
+        "pre_max",
+        "pre_median",
+        "post_median",
+    ]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in records:
         cells = []
@@ -137,8 +172,12 @@ def main(argv=None):
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget", type=float, default=480.0, help="seconds; later cases skipped")
     parser.add_argument("--quick", action="store_true", help="small shapes only (smoke test)")
-    parser.add_argument("--implementation", default="pallas", choices=backends.IMPLEMENTATIONS,
-                        help="triton_interpret (or another interpret twin) on a CPU")
+    parser.add_argument(
+        "--implementation",
+        default="pallas",
+        choices=backends.IMPLEMENTATIONS,
+        help="triton_interpret (or another interpret twin) on a CPU",
+    )
     parser.add_argument("--only", default="", help="comma-separated case names")
     args = parser.parse_args(argv)
     start = time.time()
@@ -149,20 +188,44 @@ def main(argv=None):
         plan.append((smoke, DELTA_MODES, None))
     else:
         # ragged lengths, GQA, segments: the out-of-bounds and mask paths on the GPU
-        plan.append((Case("T2000_d128_gqa_seg_causal", 2, 2000, 2000, 8, 2, 128, 128,
-                          causal=True, segment_len=700), DELTA_MODES, None))
+        plan.append(
+            (
+                Case(
+                    "T2000_d128_gqa_seg_causal",
+                    2,
+                    2000,
+                    2000,
+                    8,
+                    2,
+                    128,
+                    128,
+                    causal=True,
+                    segment_len=700,
+                ),
+                DELTA_MODES,
+                None,
+            )
+        )
         for causal in (False, True):
             for c in gpu_cases(4096, causal, "matched"):
                 plan.append((c, DELTA_MODES, None))
         bf16 = gpu_cases(4096, False, "matched", head_dims=((128, 128),), precision="bf16")[0]
-        plan.append((dataclasses.replace(bf16, name=bf16.name + "_bf16"), ("matched", "stale"), None))
+        plan.append(
+            (dataclasses.replace(bf16, name=bf16.name + "_bf16"), ("matched", "stale"), None)
+        )
         for causal in (False, True):
-            plan.append((gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0],
-                         DELTA_MODES, None))
+            plan.append(
+                (gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0], DELTA_MODES, None)
+            )
         other = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
         for mode in FP8_ACCUMULATION_MODES:  # the default's row above repeats one
-            plan.append((dataclasses.replace(other, name=f"{other.name}_{mode}"), ("matched", "stale"),
-                         dict(fp8_accumulation=mode)))
+            plan.append(
+                (
+                    dataclasses.replace(other, name=f"{other.name}_{mode}"),
+                    ("matched", "stale"),
+                    dict(fp8_accumulation=mode),
+                )
+            )
     only = [n for n in args.only.split(",") if n]
     if only:
         plan = [p for p in plan if p[0].name in only]
@@ -172,13 +235,24 @@ def main(argv=None):
             failures.append(dict(case=case.name, error="skipped: time budget"))
             continue
         try:
-            records += run_case(case, modes, implementation=args.implementation, overrides=overrides)
+            records += run_case(
+                case, modes, implementation=args.implementation, overrides=overrides
+            )
         except Exception as e:  # keep going: one lowering failure must not lose the run
             traceback.print_exc()
             failures.append(dict(case=case.name, error=f"{type(e).__name__}: {str(e)[:2000]}"))
     with open(os.path.join(args.out, "correctness.json"), "w") as f:
-        json.dump(dict(jax=jax.__version__, device=str(jax.devices()[0]), records=records,
-                       failures=failures, seconds=time.time() - start), f, indent=1)
+        json.dump(
+            dict(
+                jax=jax.__version__,
+                device=str(jax.devices()[0]),
+                records=records,
+                failures=failures,
+                seconds=time.time() - start,
+            ),
+            f,
+            indent=1,
+        )
     print(table(records))
     for fl in failures:
         print("FAILED", fl["case"], fl["error"][:300])

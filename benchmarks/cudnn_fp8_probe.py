@@ -11,6 +11,7 @@ Runs on a GPU; writes cudnn_fp8_probe.json under --out.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/cudnn_fp8_probe.py --out $OUT
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,10 @@ def _unit_problem(causal, shape):
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q8, k8, v8, do8 = (jax.random.normal(kk, shape, F32).astype(jnp.float8_e4m3fn) for kk in ks)
-    ref = jax.vjp(lambda q, k, v: mha_reference(q, k, v, causal=causal),
-                  *(x.astype(F32) for x in (q8, k8, v8)))[1](do8.astype(F32))
+    ref = jax.vjp(
+        lambda q, k, v: mha_reference(q, k, v, causal=causal),
+        *(x.astype(F32) for x in (q8, k8, v8)),
+    )[1](do8.astype(F32))
     one = jnp.ones((1, 1, 1, 1), F32)
     base = {name: one for name in fa.fp8_params_keys}
     base["scale_s"], base["descale_s"] = one * 256.0, one / 256.0
@@ -56,19 +59,27 @@ def semantics(causal, shape=(2, 1024, 4, 128)):
     one = jnp.ones((1, 1, 1, 1), F32)
 
     def run(s_dp, s_out):
-        p = {**base, "scale_dP": one * s_dp, "descale_dP": one / s_dp,
-             "scale_dQ": one * s_out, "scale_dK": one * s_out, "scale_dV": one * s_out}
+        p = {
+            **base,
+            "scale_dP": one * s_dp,
+            "descale_dP": one / s_dp,
+            "scale_dQ": one * s_out,
+            "scale_dK": one * s_out,
+            "scale_dV": one * s_out,
+        }
         g8 = backward(p)
         grads = [g.astype(F32) for g in g8[:3]]
         return dict(
-            scale_dP=s_dp, scale_out=s_out,
+            scale_dP=s_dp,
+            scale_out=s_out,
             err_if_scaled={n: rel(g / s_out, r) for n, g, r in zip("qkv", grads, ref)},
             err_if_unscaled={n: rel(g, r) for n, g, r in zip("qkv", grads, ref)},
             max_g8=[float(jnp.max(jnp.abs(g))) for g in grads],
             max_true=[float(jnp.max(jnp.abs(r))) for r in ref],
-            amax={k: float(v) for k, v in g8[3].items()})
+            amax={k: float(v) for k, v in g8[3].items()},
+        )
 
-    rows = [run(s, 1.0) for s in (1.0, 2.0 ** 8, 2.0 ** 14)]
+    rows = [run(s, 1.0) for s in (1.0, 2.0**8, 2.0**14)]
     amax_dp = rows[0]["amax"]["amax_dP"]
     s_good = float(dm_jax.numerics.pow2_scale(jnp.float32(amax_dp)))
     rows.append(run(s_good, 1.0))
@@ -85,11 +96,18 @@ def semantics(causal, shape=(2, 1024, 4, 128)):
             p[n] = one * (s_good if n == ds_key else next(small))
         g8 = backward(p)
         grads = [g.astype(F32) for g in g8[:3]]
-        slots.append(dict(
-            keys={n: float(p[n].reshape(())) for n in names + ("scale_dP",)},
-            ratio_g8_to_true=[float(jnp.max(jnp.abs(g)) / jnp.max(jnp.abs(r))) for g, r in zip(grads, ref)],
-            amax_over_true={n: float(g8[3][f"amax_d{n.upper()}"] / jnp.max(jnp.abs(r)))
-                            for n, r in zip("qkv", ref)}))
+        slots.append(
+            dict(
+                keys={n: float(p[n].reshape(())) for n in names + ("scale_dP",)},
+                ratio_g8_to_true=[
+                    float(jnp.max(jnp.abs(g)) / jnp.max(jnp.abs(r))) for g, r in zip(grads, ref)
+                ],
+                amax_over_true={
+                    n: float(g8[3][f"amax_d{n.upper()}"] / jnp.max(jnp.abs(r)))
+                    for n, r in zip("qkv", ref)
+                },
+            )
+        )
     return dict(sweep=rows, slots=slots)
 
 
@@ -104,7 +122,7 @@ def sensitivity(causal, shape=(2, 1024, 4, 128)):
     one = jnp.ones((1, 1, 1, 1), F32)
     amax_dp = float(run(base)[3]["amax_dP"])
     k_ds = float(jnp.floor(jnp.log2(448.0 / amax_dp)))
-    base["scale_dQ"], base["descale_dP"] = one * 2.0 ** k_ds, one * 2.0 ** -k_ds
+    base["scale_dQ"], base["descale_dP"] = one * 2.0**k_ds, one * 2.0**-k_ds
 
     def logs(p):
         dq8, dk8, dv8, amax = run(p)
@@ -114,13 +132,31 @@ def sensitivity(causal, shape=(2, 1024, 4, 128)):
 
     b = logs(base)
     true = [float(jnp.log2(jnp.max(jnp.abs(r)))) for r in ref]
-    out = {"outputs": ["max|dq8|", "max|dk8|", "max|dv8|", "amax_dQ", "amax_dK", "amax_dV", "amax_dP"],
-           "dS_scale_exponent": k_ds, "base_minus_true_log2": [round(x - t, 2) for x, t in zip(b[:3] + b[3:6], true * 2)],
-           "base_log2": [round(x, 2) for x in b], "per_key": {}}
-    keys = ["descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s",
-            "descale_dP", "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP"]
+    out = {
+        "outputs": ["max|dq8|", "max|dk8|", "max|dv8|", "amax_dQ", "amax_dK", "amax_dV", "amax_dP"],
+        "dS_scale_exponent": k_ds,
+        "base_minus_true_log2": [round(x - t, 2) for x, t in zip(b[:3] + b[3:6], true * 2)],
+        "base_log2": [round(x, 2) for x in b],
+        "per_key": {},
+    }
+    keys = [
+        "descale_q",
+        "descale_k",
+        "descale_v",
+        "descale_o",
+        "descale_dO",
+        "descale_s",
+        "descale_dP",
+        "scale_s",
+        "scale_dQ",
+        "scale_dK",
+        "scale_dV",
+        "scale_dP",
+    ]
     for key in keys:
-        out["per_key"][key] = [round(x - y, 2) for x, y in zip(logs({**base, key: base[key] * 4.0}), b)]
+        out["per_key"][key] = [
+            round(x - y, 2) for x, y in zip(logs({**base, key: base[key] * 4.0}), b)
+        ]
     return out
 
 
@@ -142,11 +178,15 @@ def adapter(causal, wild, shape=(2, 1024, 4, 128)):
     }
     for name, fn in arms.items():
         try:
+
             def step(q, k, v, do, fn=fn):
                 out, vjp = jax.vjp(fn, q, k, v)
                 return (out,) + vjp(do)
+
             got = jax.jit(step)(q, k, v, do)
-            rec[name] = {n: rel(g, r) for n, g, r in zip(("out", "dq", "dk", "dv"), got, (ref_out,) + ref)}
+            rec[name] = {
+                n: rel(g, r) for n, g, r in zip(("out", "dq", "dk", "dv"), got, (ref_out,) + ref)
+            }
             rec[name]["finite"] = bool(all(jnp.all(jnp.isfinite(g)) for g in got))
         except Exception as e:  # noqa: BLE001 - report and continue
             rec[name] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -158,8 +198,11 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--semantics-only", action="store_true", help="skip section 2")
     parser.add_argument("--adapter-only", action="store_true", help="skip section 1")
-    parser.add_argument("--sensitivity", action="store_true",
-                        help="section 1 as the log2 response of each output to each scale key")
+    parser.add_argument(
+        "--sensitivity",
+        action="store_true",
+        help="section 1 as the log2 response of each output to each scale key",
+    )
     args = parser.parse_args()
     print("jax", jax.__version__, jax.devices(), flush=True)
     records = {"jax": jax.__version__, "semantics": {}, "adapter": {}}
@@ -174,7 +217,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             records["semantics"][tag] = f"{type(e).__name__}: {str(e)[:400]}"
         print(tag, json.dumps(records["semantics"].get(tag)), flush=True)
-        for wild in (() if args.semantics_only else (False, True)):
+        for wild in () if args.semantics_only else (False, True):
             key = f"{tag}_{'wild' if wild else 'unit'}"
             records["adapter"][key] = adapter(causal, wild)
             print(key, json.dumps(records["adapter"][key]), flush=True)
@@ -184,7 +227,9 @@ def main():
     for key, rec in records["adapter"].items():
         for arm, r in rec.items():
             if isinstance(r, dict):
-                print(f"| {key} | {arm} | {r['out']:.3f} | {r['dq']:.3f} | {r['dk']:.3f} | {r['dv']:.3f} |")
+                print(
+                    f"| {key} | {arm} | {r['out']:.3f} | {r['dq']:.3f} | {r['dk']:.3f} | {r['dv']:.3f} |"
+                )
             else:
                 print(f"| {key} | {arm} | {r[:100]} |")
 

@@ -14,6 +14,7 @@
    and exp2, global atomics (atom, red) and the shared memory a kernel needs (sm_90 allows
    227 KiB a block). Writes kernel_ir.json and the IR files under --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ def census(ptx: str) -> dict:
     return out
 
 
-def capture_ttir(precision="fp8", accumulation="precise", head_dim=128, causal=False, tokens=256,
-                 head_dim_v=None):
+def capture_ttir(
+    precision="fp8", accumulation="precise", head_dim=128, causal=False, tokens=256, head_dim_v=None
+):
     """({kernel name: TTIR text} of one fwd+bwd step of the Triton backend, lowered for CUDA on
     this host; its TritonConfig)."""
     import jax.numpy as jnp
@@ -80,9 +82,14 @@ def compile_for_hopper(ttir_path: str, num_warps: int, num_stages: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    kernel = triton.compile(ttir_path, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    return dict(ttgir=kernel.asm["ttgir"], ptx=kernel.asm["ptx"], shared_bytes=kernel.metadata.shared)
+    kernel = triton.compile(
+        ttir_path,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    return dict(
+        ttgir=kernel.asm["ttgir"], ptx=kernel.asm["ptx"], shared_bytes=kernel.metadata.shared
+    )
 
 
 def main(argv=None):
@@ -94,13 +101,25 @@ def main(argv=None):
     try:
         import triton
     except ImportError:
-        print("benchmarks/kernel_ir.py needs the triton package: pip install triton", file=sys.stderr)
+        print(
+            "benchmarks/kernel_ir.py needs the triton package: pip install triton", file=sys.stderr
+        )
         return 2
     os.makedirs(args.out, exist_ok=True)
     dv = args.head_dim_v or args.head_dim
-    result = {"triton": triton.__version__, "target": "sm_90", "head_dim": args.head_dim,
-              "head_dim_v": dv, "kernels": {}}
-    for precision, mode in (("fp8", "precise"), ("fp8", "promote32"), ("fp8", "fast"), ("bf16", "precise")):
+    result = {
+        "triton": triton.__version__,
+        "target": "sm_90",
+        "head_dim": args.head_dim,
+        "head_dim_v": dv,
+        "kernels": {},
+    }
+    for precision, mode in (
+        ("fp8", "precise"),
+        ("fp8", "promote32"),
+        ("fp8", "fast"),
+        ("bf16", "precise"),
+    ):
         modules, config = capture_ttir(precision, mode, args.head_dim, head_dim_v=dv)
         for name, ttir in sorted(modules.items()):
             tag = f"{precision}_{mode}:{name}"
@@ -115,20 +134,31 @@ def main(argv=None):
                 with open(path[:-5] + "." + key, "w") as f:
                     f.write(compiled[key])
             mma = re.search(r"nvidia_mma<\{versionMajor = (\d)", compiled["ttgir"])
-            result["kernels"][tag] = dict(census(compiled["ptx"]), mma_version=int(mma.group(1)) if mma else None,
-                                          shared_bytes=compiled["shared_bytes"], warps=warps, stages=stages)
+            result["kernels"][tag] = dict(
+                census(compiled["ptx"]),
+                mma_version=int(mma.group(1)) if mma else None,
+                shared_bytes=compiled["shared_bytes"],
+                warps=warps,
+                stages=stages,
+            )
     with open(os.path.join(args.out, "kernel_ir.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(f"triton {triton.__version__}, sm_90, head dims {args.head_dim}/{dv}")
-    print("| kernel | MMA | tensor-core instructions | prmt | bar | st.shared | ld.shared | atom + red | shared KiB |")
+    print(
+        "| kernel | MMA | tensor-core instructions | prmt | bar | st.shared | ld.shared | atom + red | shared KiB |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for tag, c in result["kernels"].items():
-        tc = ", ".join(f"{n} x {k}" for k, n in {**c.get("wgmma", {}), **c.get("mma.sync", {})}.items())
+        tc = ", ".join(
+            f"{n} x {k}" for k, n in {**c.get("wgmma", {}), **c.get("mma.sync", {})}.items()
+        )
         total = lambda key: sum(c.get(key, {}).values())  # noqa: E731
         over = " (over sm_90's 227)" if c["shared_bytes"] > SM90_SHARED_BYTES else ""
-        print(f"| {tag} | v{c['mma_version']} | {tc} | {total('prmt')} | {total('bar')} | "
-              f"{total('st.shared')} | {total('ld.shared')} | {total('atom') + total('red')} | "
-              f"{c['shared_bytes'] / 1024:.1f}{over} |")
+        print(
+            f"| {tag} | v{c['mma_version']} | {tc} | {total('prmt')} | {total('bar')} | "
+            f"{total('st.shared')} | {total('ld.shared')} | {total('atom') + total('red')} | "
+            f"{c['shared_bytes'] / 1024:.1f}{over} |"
+        )
     return 0
 
 

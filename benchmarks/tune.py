@@ -11,6 +11,7 @@ Sets (``--set``):
   triton/config.py).
 Timing as benchmarks/attention.py. Writes tune_<set>.json and prints a table last.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,11 +77,16 @@ def accuracy_vs_t(ts, implementation="triton", heads=8):
         precise = None
         for mode in MODES:
             var = Variant.default(128, 128, fp8_accumulation=mode)
-            spec = AttentionSpec(True, "matched", "fp8", 128 ** -0.5, var.tiles)
+            spec = AttentionSpec(True, "matched", "fp8", 128**-0.5, var.tiles)
             kw = dict(spec=spec, config=var.config)
-            got = jax.jit(lambda q, k, v, do, kw=kw: (lambda o, lse: (o, kern.backward(
-                q, k, v, o, lse, do, None, None, with_stats=True, **kw)))(
-                *kern.forward(q, k, v, None, None, **kw)))(q, k, v, do)
+            got = jax.jit(
+                lambda q, k, v, do, kw=kw: (
+                    lambda o, lse: (
+                        o,
+                        kern.backward(q, k, v, o, lse, do, None, None, with_stats=True, **kw),
+                    )
+                )(*kern.forward(q, k, v, None, None, **kw))
+            )(q, k, v, do)
             out, g = got
             fields = (out, g.dq, g.dk, g.dv)
             row = dict(t=t, mode=mode)
@@ -106,30 +112,84 @@ def block_variants(dqk, dv):
     """(name, Variant) to time for one head dim: the default first."""
     base = Variant.default(dqk, dv)
     fwd = {  # (block_q, block_k, warps, stages)
-        64: [(64, 64, 4, 3), (128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3),
-             (128, 128, 8, 3), (64, 32, 4, 3), (64, 64, 4, 4)],
-        128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3),
-              (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)],
-        256: [(64, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (64, 32, 8, 2),
-              (64, 64, 8, 3), (32, 64, 4, 2), (64, 16, 4, 3)],
+        64: [
+            (64, 64, 4, 3),
+            (128, 64, 4, 2),
+            (128, 64, 4, 3),
+            (128, 64, 8, 3),
+            (64, 128, 4, 3),
+            (128, 128, 8, 3),
+            (64, 32, 4, 3),
+            (64, 64, 4, 4),
+        ],
+        128: [
+            (128, 64, 8, 3),
+            (128, 64, 8, 2),
+            (128, 64, 8, 4),
+            (128, 128, 8, 3),
+            (64, 128, 4, 3),
+            (64, 64, 4, 3),
+            (128, 32, 8, 3),
+            (128, 64, 4, 3),
+        ],
+        256: [
+            (64, 64, 8, 2),
+            (64, 64, 4, 2),
+            (64, 64, 4, 3),
+            (64, 32, 4, 3),
+            (64, 32, 8, 2),
+            (64, 64, 8, 3),
+            (32, 64, 4, 2),
+            (64, 16, 4, 3),
+        ],
     }[_head_class(dqk, dv)]
     bwd = {  # (bwd_block_q, bwd_block_k, warps, stages)
-        64: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
-             (64, 128, 8, 2)],
-        128: [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
-              (64, 64, 8, 2)],
-        256: [(64, 32, 8, 2), (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (32, 32, 4, 3),
-              (64, 64, 8, 2)],
+        64: [
+            (64, 64, 4, 2),
+            (64, 64, 4, 3),
+            (128, 64, 8, 2),
+            (64, 32, 4, 2),
+            (32, 64, 4, 2),
+            (64, 128, 8, 2),
+        ],
+        128: [
+            (64, 64, 4, 2),
+            (64, 64, 4, 3),
+            (128, 64, 8, 2),
+            (64, 32, 4, 2),
+            (32, 64, 4, 2),
+            (64, 64, 8, 2),
+        ],
+        256: [
+            (64, 32, 8, 2),
+            (32, 32, 4, 2),
+            (32, 64, 4, 2),
+            (64, 32, 4, 2),
+            (32, 32, 4, 3),
+            (64, 64, 8, 2),
+        ],
     }[_head_class(dqk, dv)]
     out = [("default", base)]
     for bq, bk, w, st in fwd:
-        out.append((f"fwd_q{bq}_k{bk}_w{w}_s{st}", Variant(
-            dataclasses.replace(base.tiles, block_q=bq, block_k=bk),
-            dataclasses.replace(base.config, num_warps=w, num_stages=st))))
+        out.append(
+            (
+                f"fwd_q{bq}_k{bk}_w{w}_s{st}",
+                Variant(
+                    dataclasses.replace(base.tiles, block_q=bq, block_k=bk),
+                    dataclasses.replace(base.config, num_warps=w, num_stages=st),
+                ),
+            )
+        )
     for bq, bk, w, st in bwd:
-        out.append((f"bwd_q{bq}_k{bk}_w{w}_s{st}", Variant(
-            dataclasses.replace(base.tiles, bwd_block_q=bq, bwd_block_k=bk),
-            dataclasses.replace(base.config, bwd_num_warps=w, bwd_num_stages=st))))
+        out.append(
+            (
+                f"bwd_q{bq}_k{bk}_w{w}_s{st}",
+                Variant(
+                    dataclasses.replace(base.tiles, bwd_block_q=bq, bwd_block_k=bk),
+                    dataclasses.replace(base.config, bwd_num_warps=w, bwd_num_stages=st),
+                ),
+            )
+        )
     return out
 
 
@@ -137,9 +197,15 @@ def time_variant(case, name, var, with_fwd, with_bwd, impl, smoke):
     """Timing row of one Variant on one case (FP8 matched)."""
     sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
     attn = lambda q, k, v: dm_jax.attention(  # noqa: E731
-        q, k, v, causal=case.causal, implementation=impl, tiles=var.tiles, config=var.config)
-    row = dict(case=case.name, variant=name, causal=case.causal,
-               tiles=dataclasses.asdict(var.tiles), config=dataclasses.asdict(var.config))
+        q, k, v, causal=case.causal, implementation=impl, tiles=var.tiles, config=var.config
+    )
+    row = dict(
+        case=case.name,
+        variant=name,
+        causal=case.causal,
+        tiles=dataclasses.asdict(var.tiles),
+        config=dataclasses.asdict(var.config),
+    )
     kinds = ("fwd",) * with_fwd + ("fwdbwd",) * with_bwd
     row.update(timing(attn, case, sets, *((1, 1) if smoke else (8, 3)), kinds=kinds))
     return row
@@ -163,7 +229,8 @@ def plan(which, smoke, accumulation=None):
         for name, var in block_variants(case.dqk, case.dv):
             if accumulation is not None:
                 var = var._replace(
-                    config=dataclasses.replace(var.config, fp8_accumulation=accumulation))
+                    config=dataclasses.replace(var.config, fp8_accumulation=accumulation)
+                )
             fwd_only, bwd_only = name.startswith("fwd_"), name.startswith("bwd_")
             out.append((case, name, var, not bwd_only, not fwd_only))
     return out
@@ -174,27 +241,48 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget", type=float, default=300.0, help="seconds; later rows skipped")
     p.add_argument("--set", default="blocks", choices=("accumulation", "blocks", "heads"))
-    p.add_argument("--accumulation", default=None, choices=sorted(MODES),
-                   help="blocks / heads sets: FP8 accumulation mode of every variant (default: config's)")
-    p.add_argument("--ts", default="1024,4096,16384", help="accumulation set: T of the accuracy study")
-    p.add_argument("--smoke", action="store_true",
-                   help="CPU check of the script: [1, 256, 2 heads] shapes, interpret mode")
+    p.add_argument(
+        "--accumulation",
+        default=None,
+        choices=sorted(MODES),
+        help="blocks / heads sets: FP8 accumulation mode of every variant (default: config's)",
+    )
+    p.add_argument(
+        "--ts", default="1024,4096,16384", help="accumulation set: T of the accuracy study"
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU check of the script: [1, 256, 2 heads] shapes, interpret mode",
+    )
     args = p.parse_args(argv)
     impl = "triton_interpret" if args.smoke else "triton"
     start = time.time()
-    res = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "set": args.set, "timing": []}
+    res = {
+        "jax": jax.__version__,
+        "device": jax.devices()[0].device_kind,
+        "set": args.set,
+        "timing": [],
+    }
     if args.set == "blocks":
         res["cast_check"] = cast_check()
         print("cast_check", res["cast_check"], flush=True)
     for case, name, var, with_fwd, with_bwd in plan(args.set, args.smoke, args.accumulation):
         if time.time() - start > args.budget:
-            res["timing"].append(dict(case=case.name, variant=name, causal=case.causal, error="skipped: time budget"))
+            res["timing"].append(
+                dict(case=case.name, variant=name, causal=case.causal, error="skipped: time budget")
+            )
             continue
         try:
             row = time_variant(case, name, var, with_fwd, with_bwd, impl, args.smoke)
         except Exception as e:  # one failing variant must not lose the run
             traceback.print_exc()
-            row = dict(case=case.name, variant=name, causal=case.causal, error=f"{type(e).__name__}: {str(e)[:500]}")
+            row = dict(
+                case=case.name,
+                variant=name,
+                causal=case.causal,
+                error=f"{type(e).__name__}: {str(e)[:500]}",
+            )
         print(json.dumps(row), flush=True)
         res["timing"].append(row)
     if args.set == "accumulation":

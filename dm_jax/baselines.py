@@ -57,117 +57,144 @@ from dm_jax.nn.fp8 import current_scale, quantize
 
 
 def _require_gpu(name: str):
-  if jax.default_backend() != "gpu":
-    raise RuntimeError(f"{name} needs a CUDA GPU with cuDNN; the default backend is "
-                       f"{jax.default_backend()!r}. Use the 'reference' or 'bf16' arm instead.")
+    if jax.default_backend() != "gpu":
+        raise RuntimeError(
+            f"{name} needs a CUDA GPU with cuDNN; the default backend is "
+            f"{jax.default_backend()!r}. Use the 'reference' or 'bf16' arm instead."
+        )
 
 
 def _repeat_kv(q, k, v):
-  Hq, Hkv = q.shape[2], k.shape[2]
-  if Hq % Hkv:
-    raise ValueError(f"k: {Hkv} kv heads must divide the {Hq} query heads")
-  return jnp.repeat(k, Hq // Hkv, axis=2), jnp.repeat(v, Hq // Hkv, axis=2)
+    Hq, Hkv = q.shape[2], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"k: {Hkv} kv heads must divide the {Hq} query heads")
+    return jnp.repeat(k, Hq // Hkv, axis=2), jnp.repeat(v, Hq // Hkv, axis=2)
 
 
 def _segment_mask(segment_ids, T, S):
-  """[B, 1, T, S] bool mask from int segment ids [B, T] or (q_ids [B, T], kv_ids [B, S])."""
-  q_ids, kv_ids = split_segment_ids(segment_ids)
-  if q_ids.shape[1] != T or kv_ids.shape[1] != S:
-    raise ValueError(f"segment_ids: expected [B, {T}] and [B, {S}], got {q_ids.shape}, "
-                     f"{kv_ids.shape}")
-  return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+    """[B, 1, T, S] bool mask from int segment ids [B, T] or (q_ids [B, T], kv_ids [B, S])."""
+    q_ids, kv_ids = split_segment_ids(segment_ids)
+    if q_ids.shape[1] != T or kv_ids.shape[1] != S:
+        raise ValueError(
+            f"segment_ids: expected [B, {T}] and [B, {S}], got {q_ids.shape}, {kv_ids.shape}"
+        )
+    return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
 
 
 def cudnn_bf16_attention(q, k, v, *, causal=False, scale=None, segment_ids=None):
-  """cuDNN flash attention in bf16: q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,Dv] bf16."""
-  _require_gpu("cudnn_bf16_attention")
-  mask = None if segment_ids is None else _segment_mask(segment_ids, q.shape[1], k.shape[1])
-  bf = lambda x: x.astype(jnp.bfloat16)
-  out = jax.nn.dot_product_attention(bf(q), bf(k), bf(v), mask=mask, scale=scale,
-                                     is_causal=causal, implementation="cudnn")
-  return out.astype(q.dtype)
+    """cuDNN flash attention in bf16: q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,Dv] bf16."""
+    _require_gpu("cudnn_bf16_attention")
+    mask = None if segment_ids is None else _segment_mask(segment_ids, q.shape[1], k.shape[1])
+    bf = lambda x: x.astype(jnp.bfloat16)
+    out = jax.nn.dot_product_attention(
+        bf(q), bf(k), bf(v), mask=mask, scale=scale, is_causal=causal, implementation="cudnn"
+    )
+    return out.astype(q.dtype)
 
 
 def check_cudnn_fp8_shapes(q, k, v, segment_ids=None):
-  """Raises NotImplementedError unless cuDNN's FP8 training kernel supports the shapes."""
-  T, S = q.shape[1], k.shape[1]
-  dims = (q.shape[-1], k.shape[-1], v.shape[-1])
-  if segment_ids is not None:
-    raise NotImplementedError("cudnn_fp8_attention: segment_ids are not supported by "
-                              "cuDNN FP8 attention; use the dm_jax arms for packed data")
-  if dims != (128, 128, 128) or T % 128 or S % 128:
-    raise NotImplementedError(
-        f"cudnn_fp8_attention supports head dim 128 and T, S multiples of 128; got head "
-        f"dims (q, k, v) = {dims}, T = {T}, S = {S}")
+    """Raises NotImplementedError unless cuDNN's FP8 training kernel supports the shapes."""
+    T, S = q.shape[1], k.shape[1]
+    dims = (q.shape[-1], k.shape[-1], v.shape[-1])
+    if segment_ids is not None:
+        raise NotImplementedError(
+            "cudnn_fp8_attention: segment_ids are not supported by "
+            "cuDNN FP8 attention; use the dm_jax arms for packed data"
+        )
+    if dims != (128, 128, 128) or T % 128 or S % 128:
+        raise NotImplementedError(
+            f"cudnn_fp8_attention supports head dim 128 and T, S multiples of 128; got head "
+            f"dims (q, k, v) = {dims}, T = {T}, S = {S}"
+        )
 
 
 def cudnn_fp8_attention(q, k, v, *, causal=False, scale=None, segment_ids=None):
-  """cuDNN FP8 flash attention with current per-tensor scaling (module docstring).
+    """cuDNN FP8 flash attention with current per-tensor scaling (module docstring).
 
-  q [B, T, Hq, 128], k/v [B, S, Hkv, 128] -> [B, T, Hq, 128] in q's dtype.
-  """
-  check_cudnn_fp8_shapes(q, k, v, segment_ids)
-  _require_gpu("cudnn_fp8_attention")
-  k, v = _repeat_kv(q, k, v)
-  scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-  return _cudnn_fp8(q, k, v, scale, bool(causal))
+    q [B, T, Hq, 128], k/v [B, S, Hkv, 128] -> [B, T, Hq, 128] in q's dtype.
+    """
+    check_cudnn_fp8_shapes(q, k, v, segment_ids)
+    _require_gpu("cudnn_fp8_attention")
+    k, v = _repeat_kv(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _cudnn_fp8(q, k, v, scale, bool(causal))
 
 
 def _fp8_params(sq, sk, sv):
-  """Scale/descale factors ((1,1,1,1) float32 each) for the cuDNN FP8 kernels. The
-  backward's dS and gradient scales start at 1; `_cudnn_fp8_bwd` sets them."""
-  one = jnp.float32(1.0)
-  vals = {"descale_q": 1 / sq, "descale_k": 1 / sk, "descale_v": 1 / sv,
-          "scale_s": jnp.float32(256.0), "descale_s": jnp.float32(1 / 256.0),
-          "scale_o": sv,
-          # measured: the binding's "descale_dO" descales O (in delta) and "descale_o" dO
-          # (in dV); dO arrives pre-scaled (descale 1), O in FP8 with scale s_v
-          "descale_o": one, "descale_dO": 1 / sv,
-          "scale_dP": one, "descale_dP": one,
-          "scale_dQ": one, "scale_dK": one, "scale_dV": one,
-          "amax_dQ": one, "amax_dK": one, "amax_dV": one, "amax_dP": one}
-  return {name: _param(x) for name, x in vals.items()}
+    """Scale/descale factors ((1,1,1,1) float32 each) for the cuDNN FP8 kernels. The
+    backward's dS and gradient scales start at 1; `_cudnn_fp8_bwd` sets them."""
+    one = jnp.float32(1.0)
+    vals = {
+        "descale_q": 1 / sq,
+        "descale_k": 1 / sk,
+        "descale_v": 1 / sv,
+        "scale_s": jnp.float32(256.0),
+        "descale_s": jnp.float32(1 / 256.0),
+        "scale_o": sv,
+        # measured: the binding's "descale_dO" descales O (in delta) and "descale_o" dO
+        # (in dV); dO arrives pre-scaled (descale 1), O in FP8 with scale s_v
+        "descale_o": one,
+        "descale_dO": 1 / sv,
+        "scale_dP": one,
+        "descale_dP": one,
+        "scale_dQ": one,
+        "scale_dK": one,
+        "scale_dV": one,
+        "amax_dQ": one,
+        "amax_dK": one,
+        "amax_dV": one,
+        "amax_dP": one,
+    }
+    return {name: _param(x) for name, x in vals.items()}
 
 
 def _param(x):
-  return jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32)
+    return jnp.reshape(x, (1, 1, 1, 1)).astype(jnp.float32)
 
 
 def _run_fp8(q8, k8, v8, params, scale, causal):
-  """One cuDNN FP8 call: (o8, amax_s, amax_o) and its VJP over (q8, k8, v8, params)."""
-  from jax._src.cudnn import fused_attention_stablehlo as fa
-  mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-  run = lambda q8, k8, v8, params: fa.dot_product_attention(
-      q8, k8, v8, fp8_params=params, scale=scale, mask_type=mask_type, qkv_layout="BTNH",
-      use_fp8=True)
-  return jax.vjp(run, q8, k8, v8, params)
+    """One cuDNN FP8 call: (o8, amax_s, amax_o) and its VJP over (q8, k8, v8, params)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    mask_type = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    run = lambda q8, k8, v8, params: fa.dot_product_attention(
+        q8,
+        k8,
+        v8,
+        fp8_params=params,
+        scale=scale,
+        mask_type=mask_type,
+        qkv_layout="BTNH",
+        use_fp8=True,
+    )
+    return jax.vjp(run, q8, k8, v8, params)
 
 
 def fp8_backward(qkv8, params, do8, scale, causal):
-  """(dq8, dk8, dv8, amax per gradient name) of one cuDNN FP8 backward with ``params``.
+    """(dq8, dk8, dv8, amax per gradient name) of one cuDNN FP8 backward with ``params``.
 
-  The forward is rerun with the same inputs and forward scales (XLA merges the identical
-  forward calls within one jit)."""
-  out, vjp = _run_fp8(*qkv8, params, scale, causal)
-  _, amax_s, amax_o = out
-  dq8, dk8, dv8, dparams = vjp((do8, jnp.zeros_like(amax_s), jnp.zeros_like(amax_o)))
-  amax = {k: dparams[k].reshape(()) for k in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
-  return dq8, dk8, dv8, amax
+    The forward is rerun with the same inputs and forward scales (XLA merges the identical
+    forward calls within one jit)."""
+    out, vjp = _run_fp8(*qkv8, params, scale, causal)
+    _, amax_s, amax_o = out
+    dq8, dk8, dv8, dparams = vjp((do8, jnp.zeros_like(amax_s), jnp.zeros_like(amax_o)))
+    amax = {k: dparams[k].reshape(()) for k in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP")}
+    return dq8, dk8, dv8, amax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _cudnn_fp8(q, k, v, scale, causal):
-  return _cudnn_fp8_fwd(q, k, v, scale, causal)[0]
+    return _cudnn_fp8_fwd(q, k, v, scale, causal)[0]
 
 
 def _cudnn_fp8_fwd(q, k, v, scale, causal):
-  sq, sk, sv = current_scale(q), current_scale(k), current_scale(v)
-  params = _fp8_params(sq, sk, sv)
-  q8, k8, v8 = quantize(q, sq), quantize(k, sk), quantize(v, sv)
-  out, _ = _run_fp8(q8, k8, v8, params, scale, causal)
-  o = (out[0].astype(jnp.float32) / sv).astype(q.dtype)
-  like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))  # dtypes, as arrays
-  return o, ((q8, k8, v8), params, like)
+    sq, sk, sv = current_scale(q), current_scale(k), current_scale(v)
+    params = _fp8_params(sq, sk, sv)
+    q8, k8, v8 = quantize(q, sq), quantize(k, sk), quantize(v, sv)
+    out, _ = _run_fp8(q8, k8, v8, params, scale, causal)
+    o = (out[0].astype(jnp.float32) / sv).astype(q.dtype)
+    like = tuple(jnp.zeros((0,), x.dtype) for x in (q, k, v))  # dtypes, as arrays
+    return o, ((q8, k8, v8), params, like)
 
 
 # What each backward scale key of the JAX binding controls, measured on the H200 (jax
@@ -177,36 +204,45 @@ SCALE_KEY_OF = {"dS": "scale_dQ", "dQ": "scale_dK", "dK": "scale_dV", "dV": "sca
 
 
 def backward_scales(s_ds, s_dqk, s_dv, scale_s):
-  """Backward params giving dS, dQ/dK and dV the scales s_ds, s_dqk, s_dv.
+    """Backward params giving dS, dQ/dK and dV the scales s_ds, s_dqk, s_dv.
 
-  cuDNN's dS (and its reported amax_dP) comes out 1/scale_s of the true dS; the dS descale
-  puts that factor back, so dQ and dK come out in true units."""
-  return {SCALE_KEY_OF["dS"]: _param(s_ds), "descale_dP": _param(scale_s / s_ds),
-          SCALE_KEY_OF["dQ"]: _param(s_dqk), SCALE_KEY_OF["dK"]: _param(s_dqk),
-          SCALE_KEY_OF["dV"]: _param(s_dv)}
+    cuDNN's dS (and its reported amax_dP) comes out 1/scale_s of the true dS; the dS descale
+    puts that factor back, so dQ and dK come out in true units."""
+    return {
+        SCALE_KEY_OF["dS"]: _param(s_ds),
+        "descale_dP": _param(scale_s / s_ds),
+        SCALE_KEY_OF["dQ"]: _param(s_dqk),
+        SCALE_KEY_OF["dK"]: _param(s_dqk),
+        SCALE_KEY_OF["dV"]: _param(s_dv),
+    }
 
 
 def _cudnn_fp8_bwd(scale, causal, res, do):
-  """Three cuDNN backward passes, each scale from the current amax (module docstring)."""
-  qkv8, params, like = res
-  s_do = current_scale(do)
-  do8 = quantize(do, s_do)
-  scale_s = params["scale_s"].reshape(())
-  one = jnp.float32(1.0)
-  # 1. amax of dS and of dV (dV does not depend on dS)
-  *_, amax1 = fp8_backward(qkv8, {**params, **backward_scales(one, one, one, scale_s)}, do8,
-                           scale, causal)
-  s_ds, s_dv = current_scale(amax1["amax_dP"]), current_scale(amax1["amax_dV"])
-  # 2. with dS in range, the amax of dQ and dK (one scale for both: robust to which
-  #    amax report is which)
-  *_, amax2 = fp8_backward(qkv8, {**params, **backward_scales(s_ds, one, s_dv, scale_s)}, do8,
-                           scale, causal)
-  s_dqk = current_scale(jnp.maximum(amax2["amax_dQ"], amax2["amax_dK"]))
-  # 3. the gradients
-  dq8, dk8, dv8, _ = fp8_backward(
-      qkv8, {**params, **backward_scales(s_ds, s_dqk, s_dv, scale_s)}, do8, scale, causal)
-  return tuple((g8.astype(jnp.float32) / (s * s_do)).astype(x.dtype)
-               for g8, s, x in zip((dq8, dk8, dv8), (s_dqk, s_dqk, s_dv), like))
+    """Three cuDNN backward passes, each scale from the current amax (module docstring)."""
+    qkv8, params, like = res
+    s_do = current_scale(do)
+    do8 = quantize(do, s_do)
+    scale_s = params["scale_s"].reshape(())
+    one = jnp.float32(1.0)
+    # 1. amax of dS and of dV (dV does not depend on dS)
+    *_, amax1 = fp8_backward(
+        qkv8, {**params, **backward_scales(one, one, one, scale_s)}, do8, scale, causal
+    )
+    s_ds, s_dv = current_scale(amax1["amax_dP"]), current_scale(amax1["amax_dV"])
+    # 2. with dS in range, the amax of dQ and dK (one scale for both: robust to which
+    #    amax report is which)
+    *_, amax2 = fp8_backward(
+        qkv8, {**params, **backward_scales(s_ds, one, s_dv, scale_s)}, do8, scale, causal
+    )
+    s_dqk = current_scale(jnp.maximum(amax2["amax_dQ"], amax2["amax_dK"]))
+    # 3. the gradients
+    dq8, dk8, dv8, _ = fp8_backward(
+        qkv8, {**params, **backward_scales(s_ds, s_dqk, s_dv, scale_s)}, do8, scale, causal
+    )
+    return tuple(
+        (g8.astype(jnp.float32) / (s * s_do)).astype(x.dtype)
+        for g8, s, x in zip((dq8, dk8, dv8), (s_dqk, s_dqk, s_dv), like)
+    )
 
 
 _cudnn_fp8.defvjp(_cudnn_fp8_fwd, _cudnn_fp8_bwd)

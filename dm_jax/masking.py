@@ -4,6 +4,7 @@ One definition shared by the high-precision reference and the blockwise emulatio
 two cannot disagree about a mask. Causal masking is top-left aligned (query i sees keys
 j <= i), as in ``jax.nn.dot_product_attention``.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional

@@ -15,6 +15,7 @@ Equations (README.md and docs/numerics.md), per head, with hats for decoded FP8 
 with ``delta`` one of: stale = rowsum(dO * O), do_matched = rowsum(dO^ * O),
 matched = sum_j P_ij dP^_ij.
 """
+
 from __future__ import annotations
 
 import functools
@@ -51,7 +52,7 @@ def mha_reference(q, k, v, *, causal=False, scale=None, segment_ids=None):
     """
     b, t, hq, dqk = q.shape
     s, hkv = k.shape[1], k.shape[2]
-    scale = dqk ** -0.5 if scale is None else scale
+    scale = dqk**-0.5 if scale is None else scale
     group = hq // hkv
     qf = q.astype(jnp.float32).reshape(b, t, hkv, group, dqk)
     logits = jnp.einsum("btkgd,bskd->bkgts", qf, k.astype(jnp.float32), precision=_HIGHEST)
@@ -247,6 +248,7 @@ def flash_backward(
 
     n_k = tiles.k.values.shape[2]
     if delta == "matched":
+
         def delta_step(acc, j):
             # the fixed order of the kernels' CPU twin: bitwise the same delta
             return acc + numerics.row_dot(probs(j), dp_hat(j)), None
@@ -273,16 +275,20 @@ def flash_backward(
         )
         ds_descale = sm_scale / ds_scale[..., 0, 0]  # [B, Hkv, G, nq]
         kj = tiles.k.values[:, :, j]
-        dq = dq + _dot(ds8, kj, "bkgnqc,bkcd->bkgnqd") * (
-            ds_descale * tiles.k.inv_scale[:, :, None, None, j]
-        )[..., None, None]
-        dk_j = _dot(ds8, tiles.q.values, "bkgnqc,bkgnqd->bkgncd") * (
-            ds_descale * tiles.q.inv_scale
-        )[..., None, None]
+        dq = (
+            dq
+            + _dot(ds8, kj, "bkgnqc,bkcd->bkgnqd")
+            * (ds_descale * tiles.k.inv_scale[:, :, None, None, j])[..., None, None]
+        )
+        dk_j = (
+            _dot(ds8, tiles.q.values, "bkgnqc,bkgnqd->bkgncd")
+            * (ds_descale * tiles.q.inv_scale)[..., None, None]
+        )
         p8 = numerics.cast_operand(p, p_scale, precision)
-        dv_j = _dot(p8, do8.values, "bkgnqc,bkgnqd->bkgncd") * (
-            do8.inv_scale / p_scale
-        )[..., None, None]
+        dv_j = (
+            _dot(p8, do8.values, "bkgnqc,bkgnqd->bkgncd")
+            * (do8.inv_scale / p_scale)[..., None, None]
+        )
         # dK_j, dV_j: sum over query tiles and over the query heads of the group.
         return (dq, stats), (jnp.sum(dk_j, (2, 3)), jnp.sum(dv_j, (2, 3)))
 
@@ -304,4 +310,3 @@ def flash_backward(
         rows_out(delta_t),
         *(rows_out(x) for x in stats),
     )
-

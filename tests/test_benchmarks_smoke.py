@@ -1,6 +1,7 @@
 """The GPU scripts under benchmarks/ run end to end on the CPU (interpret mode, tiny
 shapes), so a GPU call never fails on a script error; the cuDNN probe's analysis is run
 against the stand-in kernel with the semantics measured on the H200."""
+
 from __future__ import annotations
 
 import json
@@ -13,24 +14,48 @@ from benchmarks import correctness, cudnn_fp8_probe, passes
 
 
 def test_correctness_script_quick(tmp_path):
-    assert correctness.main(["--quick", "--implementation", "pallas_interpret", "--out", str(tmp_path)]) == 0
+    assert (
+        correctness.main(
+            ["--quick", "--implementation", "pallas_interpret", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     records = json.load(open(tmp_path / "correctness.json"))["records"]
     by_mode = {r["delta"]: r for r in records if r["case"] == "smoke"}
     assert set(by_mode) == {"matched", "do_matched", "stale"} and all(r["finite"] for r in records)
     assert by_mode["matched"]["pre_max"] < 1e-5
     # do_matched removes dO's rounding from the residual, stale does not: the median drops
-    assert by_mode["matched"]["pre_median"] < by_mode["do_matched"]["pre_median"] < by_mode["stale"]["pre_median"]
+    assert (
+        by_mode["matched"]["pre_median"]
+        < by_mode["do_matched"]["pre_median"]
+        < by_mode["stale"]["pre_median"]
+    )
     assert max(r["ref_dq"] for r in records) < 1e-5  # kernels == emulation on the CPU
 
 
 def test_passes_script_smoke(tmp_path):
-    passes.main(["--smoke", "--iters", "1", "--reps", "1", "--modes", "precise,fast",
-                 "--out", str(tmp_path)])
+    passes.main(
+        [
+            "--smoke",
+            "--iters",
+            "1",
+            "--reps",
+            "1",
+            "--modes",
+            "precise,fast",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = json.load(open(tmp_path / "passes.json"))["rows"]
     names = {r["name"] for r in rows if "ms" in r}
     assert not [r for r in rows if "error" in r]
     assert {"forward_kernel", "delta_matched_kernel", "dq_pass", "dkdv_pass"} <= names
-    assert {(r["precision"], r["mode"]) for r in rows} == {("fp8", "precise"), ("fp8", "fast"), ("bf16", "precise")}
+    assert {(r["precision"], r["mode"]) for r in rows} == {
+        ("fp8", "precise"),
+        ("fp8", "fast"),
+        ("bf16", "precise"),
+    }
 
 
 def test_cudnn_probe_recovers_the_measured_key_mapping(monkeypatch):
@@ -57,8 +82,23 @@ def test_attention_benchmark_smoke(tmp_path):
     with a recorded reason on a CPU."""
     from benchmarks import attention
 
-    attention.main(["--smoke", "--shapes", "gqa32_8,d192_128", "--causal", "1", "--iters", "1", "--reps", "1",
-                    "--arms", "ours_fp8_matched,cudnn_bf16", "--out", str(tmp_path)])
+    attention.main(
+        [
+            "--smoke",
+            "--shapes",
+            "gqa32_8,d192_128",
+            "--causal",
+            "1",
+            "--iters",
+            "1",
+            "--reps",
+            "1",
+            "--arms",
+            "ours_fp8_matched,cudnn_bf16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     rows = json.load(open(tmp_path / "benchmarks.json"))["rows"]
     ours = [r for r in rows if r["arm"] == "ours_fp8_matched"]
     assert [r["case"] for r in ours] == ["gqa32_8", "d192_128"]
@@ -74,12 +114,18 @@ def test_kernel_ir_capture_and_census():
     from benchmarks import kernel_ir
 
     modules, _ = kernel_ir.capture_ttir("fp8", "fast", head_dim=64, tokens=128)
-    assert sorted(modules) == ["dm_fp8_attention_dkdv_accfast", "dm_fp8_attention_dq_accfast",
-                               "dm_fp8_attention_forward_accfast", "dm_fp8_attention_matched_delta_accfast"]
+    assert sorted(modules) == [
+        "dm_fp8_attention_dkdv_accfast",
+        "dm_fp8_attention_dq_accfast",
+        "dm_fp8_attention_forward_accfast",
+        "dm_fp8_attention_matched_delta_accfast",
+    ]
     assert all("tt.dot" in m for m in modules.values())
-    ptx = ("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {..};\n" * 2
-           + "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {..};\nprmt.b32 %r1;\nbar.sync 0;\n"
-           + "atom.global.gpu.acq_rel.add.v4.f32 %r2, [%rd1], {..};\n")
+    ptx = (
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {..};\n" * 2
+        + "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {..};\nprmt.b32 %r1;\nbar.sync 0;\n"
+        + "atom.global.gpu.acq_rel.add.v4.f32 %r2, [%rd1], {..};\n"
+    )
     counts = kernel_ir.census(ptx)
     assert counts["wgmma"] == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3": 2}
     assert counts["mma.sync"] == {"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32": 1}

@@ -6,6 +6,7 @@ an FP32 rounding, which now and then flips an FP8 rounding of dS and moves dQ, d
 (``numerics.row_dot``); before that, seed 3 below differed by 2e-4 (stale) on one CPU and
 the matched case of the correctness script on another.
 """
+
 from __future__ import annotations
 
 import jax
@@ -35,8 +36,15 @@ def test_kernel_gradients_equal_the_emulation_with_segments(seed, delta):
 
     def grads(implementation):
         def loss(q, k, v):
-            out = dm_jax.attention(q, k, v, causal=True, delta=delta, segment_ids=segments,
-                                   implementation=implementation)
+            out = dm_jax.attention(
+                q,
+                k,
+                v,
+                causal=True,
+                delta=delta,
+                segment_ids=segments,
+                implementation=implementation,
+            )
             return jnp.sum(out * do)
 
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
@@ -52,11 +60,15 @@ def test_row_dot_gives_the_same_bits_to_every_caller(n):
     a = jax.random.normal(jax.random.PRNGKey(n), (3, 7, n))
     b = jax.random.normal(jax.random.PRNGKey(n + 1), (3, 7, n))
     eager = np.asarray(numerics.row_dot(a, b))
-    inside = jax.jit(lambda a, b: numerics.row_dot(jnp.swapaxes(a, 0, 1), jnp.swapaxes(b, 0, 1)) * 2)
+    inside = jax.jit(
+        lambda a, b: numerics.row_dot(jnp.swapaxes(a, 0, 1), jnp.swapaxes(b, 0, 1)) * 2
+    )
     np.testing.assert_array_equal(np.asarray(inside(a, b)), 2 * np.swapaxes(eager, 0, 1))
     # the fixed order: pairwise over a zero-padded power of two
-    x = np.pad(np.asarray(a, np.float64) * np.asarray(b, np.float64),
-               ((0, 0), (0, 0), (0, (1 << max(n - 1, 0).bit_length()) - n)))
+    x = np.pad(
+        np.asarray(a, np.float64) * np.asarray(b, np.float64),
+        ((0, 0), (0, 0), (0, (1 << max(n - 1, 0).bit_length()) - n)),
+    )
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
     np.testing.assert_allclose(eager, x[..., 0], rtol=0, atol=1e-5 * np.abs(x).max())

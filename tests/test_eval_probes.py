@@ -13,9 +13,11 @@ V = 16
 
 def _batch(seed=0, B=2, T=8):
     rng = np.random.default_rng(seed)
-    return dict(tokens=rng.integers(0, V, (B, T)).astype(np.int32),
-                targets=rng.integers(0, V, (B, T)).astype(np.int32),
-                mask=np.ones((B, T), np.float32))
+    return dict(
+        tokens=rng.integers(0, V, (B, T)).astype(np.int32),
+        targets=rng.integers(0, V, (B, T)).astype(np.int32),
+        mask=np.ones((B, T), np.float32),
+    )
 
 
 def oracle(tokens_BT, *, segment_ids=None, ablate_attention_layers=(), targets=None):
@@ -32,8 +34,11 @@ def test_cross_entropy_uniform_and_masked():
     assert cross_entropy(uniform, [batch]) == pytest.approx(np.log(V))
     # Masked-out positions do not count: a model right only where the mask is 1.
     batch["mask"][:, 4:] = 0
-    half = lambda t, segment_ids=None: np.where(np.arange(t.shape[1])[None, :, None] < 4,  # noqa: E731
-                              9.0 * np.eye(V)[batch["targets"]], 0.0)
+    half = lambda t, segment_ids=None: np.where(
+        np.arange(t.shape[1])[None, :, None] < 4,  # noqa: E731
+        9.0 * np.eye(V)[batch["targets"]],
+        0.0,
+    )
     assert cross_entropy(half, [batch]) < 0.01
     batch["mask"][:] = 0
     with pytest.raises(ValueError, match="batches"):
@@ -62,7 +67,10 @@ def test_residual_probe_per_layer_and_mode():
     assert [(s.layer, s.delta) for s in stats] == [(l, d) for l in (1, 5) for d in DELTA_MODES]
     assert all(seen_ == (True, False) for seen_ in seen)
     assert residual_ratio(stats) == {1: pytest.approx(6.0), 5: pytest.approx(6.0)}
-    assert residual_ratio(stats, stage="pre_cast", numerator="do_matched") == {1: pytest.approx(3.0), 5: pytest.approx(3.0)}
+    assert residual_ratio(stats, stage="pre_cast", numerator="do_matched") == {
+        1: pytest.approx(3.0),
+        5: pytest.approx(3.0),
+    }
 
 
 def test_residual_probe_on_real_activations():
@@ -80,8 +88,10 @@ def test_residual_probe_on_real_activations():
     batch = _batch(B=2, T=64)
     jitted = jit_with_model(model, models.attention_probe)
     probe = lambda t, y: jitted(jnp.asarray(t), jnp.asarray(y))  # noqa: E731
-    row_sums = jax.jit(functools.partial(diagnostics.row_sum_residuals, implementation="reference"),
-                       static_argnames=("causal", "delta"))
+    row_sums = jax.jit(
+        functools.partial(diagnostics.row_sum_residuals, implementation="reference"),
+        static_argnames=("causal", "delta"),
+    )
     stats = residual_probe(probe, row_sums, dict(batch, segments=None))
     by = {(s.layer, s.delta): s for s in stats}
     layers = sorted({s.layer for s in stats})

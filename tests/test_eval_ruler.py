@@ -34,12 +34,18 @@ def test_deterministic_per_seed(haystack, task):
     assert _examples(haystack, task) != _examples(haystack, task, seed=1)
 
 
-@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"])
+@pytest.mark.parametrize(
+    "task", ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"]
+)
 def test_needles_hold_the_gold_values(haystack, task):
     for ex in _examples(haystack, task):
-        question = ex.prompt[ex.prompt.index("\nQuestion:"):]
+        question = ex.prompt[ex.prompt.index("\nQuestion:") :]
         keys = re.search(r"numbers? for (.+) did the text", question).group(1).split(", ")
-        found = [v for k in keys for v in re.findall(rf"numbers for {re.escape(k)} is: (\d+)\.", ex.prompt)]
+        found = [
+            v
+            for k in keys
+            for v in re.findall(rf"numbers for {re.escape(k)} is: (\d+)\.", ex.prompt)
+        ]
         assert sorted(found) == sorted(ex.answers)
         if task == "niah_multivalue":  # several values are asked in text order
             assert list(ex.answers) == sorted(ex.answers, key=ex.prompt.index)
@@ -71,7 +77,9 @@ def test_word_tasks_answer_is_strictly_most_frequent(haystack, task, top):
         rest = max(c for w, c in counts.items() if w not in ex.answers)
         assert min(counts[a] for a in ex.answers) > rest
         # Distractors: words of the list, rarer than every answer.
-        assert len(ex.distractors) == top and max(counts[d] for d in ex.distractors) < min(counts[a] for a in ex.answers)
+        assert len(ex.distractors) == top and max(counts[d] for d in ex.distractors) < min(
+            counts[a] for a in ex.answers
+        )
 
 
 def test_too_short_context_is_a_clear_error(haystack):

@@ -4,8 +4,18 @@ import numpy as np
 import pytest
 
 from train.data import ByteTokenizer
-from train.eval import (RulerConfig, answer_line, build_haystack, continuation_logprob, generate,
-                        greedy_generate, match_fraction, run_ruler, score_examples, summarize)
+from train.eval import (
+    RulerConfig,
+    answer_line,
+    build_haystack,
+    continuation_logprob,
+    generate,
+    greedy_generate,
+    match_fraction,
+    run_ruler,
+    score_examples,
+    summarize,
+)
 
 TOK = ByteTokenizer()
 V = TOK.vocab_size
@@ -81,10 +91,14 @@ def test_likelihood_separates_gold_from_a_wrong_value(niah):
 
 
 def test_run_ruler_scores_every_task_and_length():
-    config = RulerConfig(context_lengths=(512,), tasks=("niah_single", "frequent_words"),
-                         examples=2, generate=False)
+    config = RulerConfig(
+        context_lengths=(512,), tasks=("niah_single", "frequent_words"), examples=2, generate=False
+    )
     scores = run_ruler(bigram_model, TOK, config)
-    assert [(s.task, s.context_length) for s in scores] == [("niah_single", 512), ("frequent_words", 512)]
+    assert [(s.task, s.context_length) for s in scores] == [
+        ("niah_single", 512),
+        ("frequent_words", 512),
+    ]
     assert np.isnan(scores[0].exact_match)
     assert summarize(scores)[512]["gold_logprob"] == pytest.approx(np.log(1 / V), rel=1e-5)
     assert summarize(scores)[512]["margin"] == pytest.approx(0.0, abs=1e-9)

@@ -10,7 +10,10 @@ from train.experiments import compare, presets
 def test_arms_share_everything_but_the_attention_arm(tmp_path):
     args = compare.build_parser().parse_args(["--out", str(tmp_path), "--no-qk-norm"])
     preset = presets.get_preset("tiny")
-    a, b = (compare.make_run_config(args, preset, arm, 3, str(tmp_path / arm)) for arm in ("stale", "matched"))
+    a, b = (
+        compare.make_run_config(args, preset, arm, 3, str(tmp_path / arm))
+        for arm in ("stale", "matched")
+    )
     da, db = a.compat_dict(), b.compat_dict()
     assert dict(da["model"].pop("overrides"))["attention"] == "stale"
     assert dict(db["model"].pop("overrides"))["attention"] == "matched"
@@ -20,8 +23,19 @@ def test_arms_share_everything_but_the_attention_arm(tmp_path):
 
 def test_tiny_comparison_end_to_end(tmp_path):
     out = str(tmp_path / "out")
-    argv = ["--preset", "tiny", "--arms", "matched,cudnn_fp8", "--steps", "2", "--out", out,
-            "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
+    argv = [
+        "--preset",
+        "tiny",
+        "--arms",
+        "matched,cudnn_fp8",
+        "--steps",
+        "2",
+        "--out",
+        out,
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--no-progress",
+    ]
     assert compare.main(argv) == 0
     cudnn = json.load(open(os.path.join(out, "results", "cudnn_fp8.json")))
     assert cudnn["status"] == "not run" and "GPU" in cudnn["reason"]
@@ -36,17 +50,37 @@ def test_tiny_comparison_end_to_end(tmp_path):
     assert set(modes) == {(3, d) for d in ("stale", "do_matched", "matched")}
     assert modes[(3, "matched")]["pre_cast"] < 1e-5 < modes[(3, "stale")]["pre_cast"]
     assert r["residual_ratio_post"]["3"] > 1
-    assert {(s["task"], s["context_length"]) for s in r["ruler"]} == {(t, 512) for t in presets.PRESETS["tiny"].ruler.tasks}
+    assert {(s["task"], s["context_length"]) for s in r["ruler"]} == {
+        (t, 512) for t in presets.PRESETS["tiny"].ruler.tasks
+    }
     assert all(0 <= s["exact_match"] <= 1 and s["gold_logprob"] < 0 for s in r["ruler"])
     text = open(os.path.join(out, "report.md")).read()
     assert "| matched | done | 2 |" in text and "| cudnn_fp8 | not run |" in text
-    assert all(os.path.exists(os.path.join(out, p)) for p in ("loss.png", "max_gain.png", "top_share.png"))
+    assert all(
+        os.path.exists(os.path.join(out, p)) for p in ("loss.png", "max_gain.png", "top_share.png")
+    )
 
 
 def test_document_packing_runs_with_segment_ids(tmp_path):
     out = str(tmp_path / "out")
-    argv = ["--preset", "tiny", "--arms", "stale", "--steps", "1", "--packing", "segments", "--no-generate",
-            "--ruler-examples", "1", "--out", out, "--runs-dir", str(tmp_path / "runs"), "--no-progress"]
+    argv = [
+        "--preset",
+        "tiny",
+        "--arms",
+        "stale",
+        "--steps",
+        "1",
+        "--packing",
+        "segments",
+        "--no-generate",
+        "--ruler-examples",
+        "1",
+        "--out",
+        out,
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--no-progress",
+    ]
     assert compare.main(argv) == 0
     r = json.load(open(os.path.join(out, "results", "stale.json")))
     assert r["status"] == "done" and not r["errors"], r

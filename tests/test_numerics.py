@@ -1,4 +1,5 @@
 """The FP8 rules of dm_jax.numerics: scales, saturation, NaN, rounding."""
+
 import math
 
 import jax.numpy as jnp
@@ -56,7 +57,9 @@ def test_nan_and_inf_propagate_and_do_not_poison_the_scale():
 
 def test_e4m3_rounding_matches_ml_dtypes():
     rng = np.random.default_rng(2)
-    x = np.concatenate([rng.standard_normal(20000) * 100, rng.uniform(-448, 448, 20000)]).astype(np.float32)
+    x = np.concatenate([rng.standard_normal(20000) * 100, rng.uniform(-448, 448, 20000)]).astype(
+        np.float32
+    )
     got = np.asarray(numerics.quantize(jnp.asarray(x), 1.0).astype(jnp.float32))
     want = x.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(got, want)
@@ -70,7 +73,7 @@ def test_token_block_scales_cover_each_128_token_block():
     assert scales.shape == (2, 3, 3)
     assert scales[1, 2, 1] == 0.25 and scales[1, 2, 0] > 1 and scales[1, 2, 2] > 1
     for blk in range(3):
-        amax = np.abs(x[:, :, blk * 128:(blk + 1) * 128]).max(axis=(-2, -1))
+        amax = np.abs(x[:, :, blk * 128 : (blk + 1) * 128]).max(axis=(-2, -1))
         np.testing.assert_array_equal(scales[..., blk], np.asarray(numerics.pow2_scale(amax)))
 
 
@@ -107,11 +110,15 @@ def test_pow2_scale_for_e5m2_uses_its_own_max():
 
 def test_cast_probabilities_gives_quantize_bits():
     """The kernels' short cast of P equals the general rule bit for bit on [0, 1] and NaN."""
-    p = np.concatenate([np.random.default_rng(0).random(100_000), [0.0, 1.0, 2.0 ** -20, 0.5 ** 9, np.nan]])
+    p = np.concatenate(
+        [np.random.default_rng(0).random(100_000), [0.0, 1.0, 2.0**-20, 0.5**9, np.nan]]
+    )
     p = jnp.asarray(p, jnp.float32)
     short = numerics.cast_probabilities(p, "fp8")
     rule = numerics.quantize(p, numerics.p_scale("fp8"))
     assert short.dtype == rule.dtype
     np.testing.assert_array_equal(np.asarray(short).view(np.uint8), np.asarray(rule).view(np.uint8))
     bf = numerics.cast_probabilities(p, "bf16")
-    np.testing.assert_array_equal(np.asarray(bf, np.float32), np.asarray(p.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(bf, np.float32), np.asarray(p.astype(jnp.bfloat16), np.float32)
+    )

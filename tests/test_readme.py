@@ -1,4 +1,5 @@
 """The README's usage example runs and shows what it claims."""
+
 import contextlib
 import io
 import pathlib
@@ -15,7 +16,9 @@ def test_readme_example_runs_and_matched_cancels():
     with contextlib.redirect_stdout(out):
         exec(compile(block, "README.md", "exec"), {})
     lines = dict(line.split(":", 1) for line in out.getvalue().strip().splitlines())
-    pre = {k.strip(): float(re.search(r"pre-cast ([0-9.e+-]+)", v).group(1)) for k, v in lines.items()}
+    pre = {
+        k.strip(): float(re.search(r"pre-cast ([0-9.e+-]+)", v).group(1)) for k, v in lines.items()
+    }
     assert set(pre) == {"matched", "do_matched", "stale"}
     assert pre["matched"] < 1e-6 < pre["stale"]
     assert pre["matched"] < pre["do_matched"] < pre["stale"]
@@ -40,7 +43,9 @@ def test_readme_names_the_two_setup_commands():
 
 def test_readme_flax_example_runs():
     text = README.read_text()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "MultiHeadAttention" in b)
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "MultiHeadAttention" in b
+    )
     scope = {}
     exec(compile(block, "README.md", "exec"), scope)
     assert scope["y"].shape == (2, 256, 512)

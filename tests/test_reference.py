@@ -6,6 +6,7 @@ causal/non-causal x
 delta modes: fp8 forward 0.056, gradients 0.069; bf16 forward 0.0034, gradients 0.0043.
 The bounds below leave ~40% head-room over those measurements.
 """
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -38,12 +39,19 @@ def fwd_and_grads(fn, q, k, v, do):
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_and_bf16_track_high_precision(problem, causal):
     q, k, v, do = problem.arrays(seed=hash(problem.name) % 1000 + causal)
-    want = fwd_and_grads(lambda q, k, v: reference.mha_reference(q, k, v, causal=causal), q, k, v, do)
+    want = fwd_and_grads(
+        lambda q, k, v: reference.mha_reference(q, k, v, causal=causal), q, k, v, do
+    )
     for precision, (tol_fwd, tol_grad) in TOL.items():
         for delta in DELTA_MODES if precision == "fp8" else ("matched",):
             got = fwd_and_grads(
-                lambda q, k, v: dm_jax.attention(q, k, v, causal=causal, precision=precision, delta=delta),
-                q, k, v, do,
+                lambda q, k, v: dm_jax.attention(
+                    q, k, v, causal=causal, precision=precision, delta=delta
+                ),
+                q,
+                k,
+                v,
+                do,
             )
             errs = [rel_err(g, w) for g, w in zip(got, want)]
             assert errs[0] < tol_fwd, (precision, delta, errs)
@@ -67,8 +75,12 @@ def test_segment_ids_match_separate_sequences():
         # a (q_ids, kv_ids) pair is the same as one shared array
         pair = dm_jax.attention(q, k, v, causal=causal, segment_ids=(seg, seg), precision="bf16")
         np.testing.assert_array_equal(got, pair)
-        grads = jax.grad(lambda q: jnp.sum(dm_jax.attention(q, k, v, causal=causal, segment_ids=seg) * do))(q)
-        want = jax.grad(lambda q: jnp.sum(reference.mha_reference(q, k, v, causal=causal, segment_ids=seg) * do))(q)
+        grads = jax.grad(
+            lambda q: jnp.sum(dm_jax.attention(q, k, v, causal=causal, segment_ids=seg) * do)
+        )(q)
+        want = jax.grad(
+            lambda q: jnp.sum(reference.mha_reference(q, k, v, causal=causal, segment_ids=seg) * do)
+        )(q)
         assert rel_err(grads, want) < TOL["fp8"][1]
 
 
@@ -79,10 +91,14 @@ class JitVariantsTest(chex.TestCase):
 
         @self.variant
         def fwd_bwd(q, k, v):
-            return fwd_and_grads(lambda q, k, v: dm_jax.attention(q, k, v, causal=True), q, k, v, do)
+            return fwd_and_grads(
+                lambda q, k, v: dm_jax.attention(q, k, v, causal=True), q, k, v, do
+            )
 
         got = fwd_bwd(q, k, v)
-        want = fwd_and_grads(lambda q, k, v: reference.mha_reference(q, k, v, causal=True), q, k, v, do)
+        want = fwd_and_grads(
+            lambda q, k, v: reference.mha_reference(q, k, v, causal=True), q, k, v, do
+        )
         chex.assert_trees_all_equal_shapes_and_dtypes(got, want)
         assert rel_err(got[0], want[0]) < TOL["fp8"][0]
         for g, w in zip(got[1:], want[1:]):

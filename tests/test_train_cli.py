@@ -18,15 +18,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(*args, timeout=400):
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_trains_the_default_hybrid_and_plots(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run("train", "--steps", "4", "--batch-size", "2", "--seq-len", "64", "--log-every", "1",
-                "--eval-every", "4", "--eval-batches", "1", "--probe-every", "2", "--optimizer", "muon",
-                "--run-dir", str(run_dir))
+    proc = _run(
+        "train",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "4",
+        "--eval-batches",
+        "1",
+        "--probe-every",
+        "2",
+        "--optimizer",
+        "muon",
+        "--run-dir",
+        str(run_dir),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert str(run_dir) in proc.stdout and "tokens/s" in proc.stdout
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -42,35 +61,42 @@ def test_cli_trains_the_default_hybrid_and_plots(tmp_path):
     (other / "metrics.jsonl").write_text(open(run_dir / "metrics.jsonl").read())
     plot = _run("train.plot", str(run_dir), str(other), "--out", str(tmp_path / "plots"))
     assert plot.returncode == 0, plot.stderr[-2000:]
-    assert sorted(os.listdir(tmp_path / "plots")) == ["loss.png", "max_gain.png", "residual.png",
-                                                      "top_share.png"]
+    assert sorted(os.listdir(tmp_path / "plots")) == [
+        "loss.png",
+        "max_gain.png",
+        "residual.png",
+        "top_share.png",
+    ]
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--steps", "0"], "--steps"),
-    (["--preset", "huge"], "--preset"),
-    (["--preset", "nofamily-tiny"], "--preset"),
-    (["--attention", "fp4"], "--attention"),
-    (["--data", "/no/such/path"], "--data"),
-    (["--fresh-optimizer"], "--fresh-optimizer"),
-    (["--resume", "--init-from", "x"], "--init-from"),
-    (["--tokenizer", "tiktoken"], "--tiktoken"),
-    # Zero and negative values are errors, never "use the default".
-    (["--batch-size", "0"], "--batch-size"),
-    (["--seq-len", "0"], "--seq-len"),
-    (["--lr", "0"], "--lr"),
-    (["--lr", "nan"], "--lr"),
-    (["--stop-at", "-3"], "--stop-at"),
-    (["--stop-at", "0"], "--stop-at"),
-    (["--eval-batches", "0"], "--eval-batches"),
-    (["--seed", "-1"], "--seed"),
-    (["--head-dim", "0"], "--head-dim"),
-    (["--adam-lr-ratio", "0"], "--adam-lr-ratio"),
-    (["--weight-decay", "-0.1"], "--weight-decay"),
-    (["--warmup", "-1"], "--warmup"),
-    (["--resume"], "--resume"),
-    (["--resume", "--run-dir", "/no/such/run"], "--resume"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--preset", "huge"], "--preset"),
+        (["--preset", "nofamily-tiny"], "--preset"),
+        (["--attention", "fp4"], "--attention"),
+        (["--data", "/no/such/path"], "--data"),
+        (["--fresh-optimizer"], "--fresh-optimizer"),
+        (["--resume", "--init-from", "x"], "--init-from"),
+        (["--tokenizer", "tiktoken"], "--tiktoken"),
+        # Zero and negative values are errors, never "use the default".
+        (["--batch-size", "0"], "--batch-size"),
+        (["--seq-len", "0"], "--seq-len"),
+        (["--lr", "0"], "--lr"),
+        (["--lr", "nan"], "--lr"),
+        (["--stop-at", "-3"], "--stop-at"),
+        (["--stop-at", "0"], "--stop-at"),
+        (["--eval-batches", "0"], "--eval-batches"),
+        (["--seed", "-1"], "--seed"),
+        (["--head-dim", "0"], "--head-dim"),
+        (["--adam-lr-ratio", "0"], "--adam-lr-ratio"),
+        (["--weight-decay", "-0.1"], "--weight-decay"),
+        (["--warmup", "-1"], "--warmup"),
+        (["--resume"], "--resume"),
+        (["--resume", "--run-dir", "/no/such/run"], "--resume"),
+    ],
+)
 def test_bad_flags_fail_before_compute_naming_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as e:
         config_lib.parse_args(argv)
@@ -100,20 +126,43 @@ def test_help_lists_presets_and_their_defaults(capsys):
         assert name in out, name
     for size, d in config_lib.SIZE_DEFAULTS.items():  # one row of defaults per size
         row = next(line.split() for line in out.splitlines() if line.split()[:1] == [size])
-        assert row[1:5] == [str(d["batch_size"]), str(d["seq_len"]), str(d["steps"]), f"{d['learning_rate']:g}"]
+        assert row[1:5] == [
+            str(d["batch_size"]),
+            str(d["seq_len"]),
+            str(d["steps"]),
+            f"{d['learning_rate']:g}",
+        ]
 
 
 def test_resume_takes_the_saved_config(tmp_path):
-    saved = config_lib.parse_args(["--preset", "gdn_mla-tiny", "--lr", "1e-3", "--seq-len", "64",
-                                   "--optimizer", "muon", "--run-dir", str(tmp_path)])
+    saved = config_lib.parse_args(
+        [
+            "--preset",
+            "gdn_mla-tiny",
+            "--lr",
+            "1e-3",
+            "--seq-len",
+            "64",
+            "--optimizer",
+            "muon",
+            "--run-dir",
+            str(tmp_path),
+        ]
+    )
     saved.save(str(tmp_path))
     resumed = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path)])
     assert resumed.compat_dict() == saved.compat_dict() and resumed.resume
-    more = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path), "--steps", "900", "--log-every", "5"])
+    more = config_lib.parse_args(
+        ["--resume", "--run-dir", str(tmp_path), "--steps", "900", "--log-every", "5"]
+    )
     assert (more.steps, more.log_every, more.seq_len, more.optimizer.name) == (900, 5, 64, "muon")
-    assert more.optimizer.warmup_steps == saved.optimizer.warmup_steps  # not re-derived from --steps
+    assert (
+        more.optimizer.warmup_steps == saved.optimizer.warmup_steps
+    )  # not re-derived from --steps
     clash = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path), "--attention", "stale"])
-    with pytest.raises(ValueError, match=r"model.overrides.attention: 'matched' -> 'stale' \(--attention\)"):
+    with pytest.raises(
+        ValueError, match=r"model.overrides.attention: 'matched' -> 'stale' \(--attention\)"
+    ):
         config_lib.check_compatible(saved, clash)
     stopped = dataclasses.replace(saved, stop_at=3)  # --stop-at belongs to one invocation
     stopped.save(str(tmp_path))
@@ -138,7 +187,9 @@ def test_one_line_errors_for_the_run_dir(tmp_path, capsys):
 
 
 def test_presets_and_arms_resolve():
-    cfg = config_lib.parse_args(["--preset", "gdn_mla-small", "--attention", "stale", "--seq-len", "256"])
+    cfg = config_lib.parse_args(
+        ["--preset", "gdn_mla-small", "--attention", "stale", "--seq-len", "256"]
+    )
     assert cfg.model.family == "gdn_mla" and cfg.model.size == "small" and cfg.seq_len == 256
     assert cfg.model_config.attention == "stale" and "mla" in cfg.model_config.pattern
     assert cfg.model_config.vocab_size % 64 == 0 and cfg.model_config.vocab_size >= 257
@@ -151,8 +202,22 @@ def test_presets_and_arms_resolve():
 
 
 def test_cli_resume_is_bit_exact_with_the_hybrid(tmp_path):
-    common = ["--steps", "4", "--batch-size", "2", "--seq-len", "32", "--log-every", "1", "--eval-every", "0",
-              "--probe-every", "0", "--ckpt-every", "2"]
+    common = [
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "0",
+        "--probe-every",
+        "0",
+        "--ckpt-every",
+        "2",
+    ]
     straight = _run("train", *common, "--run-dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-3000:]
     half = _run("train", *common, "--stop-at", "2", "--run-dir", str(tmp_path / "b"))
@@ -161,7 +226,9 @@ def test_cli_resume_is_bit_exact_with_the_hybrid(tmp_path):
     assert refused.returncode == 2 and "--resume" in refused.stderr
     resumed = _run("train", "--resume", "--run-dir", str(tmp_path / "b"))  # the saved flags
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    rows = lambda d: [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(d / "metrics.jsonl"))]  # noqa: E731
+    rows = lambda d: [
+        (r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(d / "metrics.jsonl"))
+    ]  # noqa: E731
     assert rows(tmp_path / "a") == rows(tmp_path / "b") and len(rows(tmp_path / "a")) == 4
     # The checkpoint holds the model's parameters under their names: orbax alone reads it.
     import orbax.checkpoint as ocp
@@ -171,9 +238,13 @@ def test_cli_resume_is_bit_exact_with_the_hybrid(tmp_path):
 
     named = ocp.StandardCheckpointer().restore(str(tmp_path / "b" / "checkpoints" / "4" / "params"))
     model, _ = loop.load_model(str(tmp_path / "b"))
-    np.testing.assert_array_equal(named["layers"]["3"]["mixer"]["q_norm"]["scale"],
-                                  np.asarray(model.layers[3].mixer.q_norm.scale.get_value()))
-    np.testing.assert_array_equal(named["embed"]["embedding"], np.asarray(model.embed.embedding.get_value()))
+    np.testing.assert_array_equal(
+        named["layers"]["3"]["mixer"]["q_norm"]["scale"],
+        np.asarray(model.layers[3].mixer.q_norm.scale.get_value()),
+    )
+    np.testing.assert_array_equal(
+        named["embed"]["embedding"], np.asarray(model.embed.embedding.get_value())
+    )
     assert len(jax.tree.leaves(named)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
@@ -218,13 +289,19 @@ def test_second_signal_stops_a_long_step_at_once(tmp_path):
     """The main thread is stuck in XLA (a 10-minute step): the first SIGTERM is acknowledged at
     once, the second ends the process at once, naming the checkpoint the run resumes from."""
     marker, run_dir = tmp_path / "in_long_step", tmp_path / "run"
-    script = _LONG_STEP.format(tests=os.path.join(ROOT, "tests"), marker=str(marker), run_dir=str(run_dir))
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    script = _LONG_STEP.format(
+        tests=os.path.join(ROOT, "tests"), marker=str(marker), run_dir=str(run_dir)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.time() + 300
         while not marker.exists() and proc.poll() is None and time.time() < deadline:
             time.sleep(0.2)
-        assert marker.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no long step"
+        assert marker.exists(), (
+            proc.stderr.read()[-3000:] if proc.poll() is not None else "no long step"
+        )
         proc.send_signal(signal.SIGTERM)
         time.sleep(2)
         assert proc.poll() is None  # the first signal waits for the step to end...
@@ -235,7 +312,12 @@ def test_second_signal_stops_a_long_step_at_once(tmp_path):
             proc.kill()
     err = proc.stderr.read()
     assert code == 128 + signal.SIGTERM, err[-3000:]
-    assert "SIGTERM: stopping after the current step" in err and "SIGTERM again: stopping now" in err
-    assert f"resumes from its checkpoint at step 4: python -m train --resume --run-dir {run_dir}" in err
+    assert (
+        "SIGTERM: stopping after the current step" in err and "SIGTERM again: stopping now" in err
+    )
+    assert (
+        f"resumes from its checkpoint at step 4: python -m train --resume --run-dir {run_dir}"
+        in err
+    )
     assert "Traceback" not in err
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]

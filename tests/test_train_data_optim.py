@@ -41,8 +41,14 @@ def test_packing_segments_and_mask():
 
 def test_batches_are_a_pure_function_of_seed_and_index():
     tokens = np.arange(10_000, dtype=np.int32)
-    mk = lambda seed: data_lib.Batches(tokens, batch_size=4, seq_len=16, seed=seed, eos_id=None,  # noqa: E731
-                                       packing="segments")
+    mk = lambda seed: data_lib.Batches(
+        tokens,
+        batch_size=4,
+        seq_len=16,
+        seed=seed,
+        eos_id=None,  # noqa: E731
+        packing="segments",
+    )
     b1, b2 = mk(0).batch(7), mk(0).batch(7)
     np.testing.assert_array_equal(b1["tokens"], b2["tokens"])
     np.testing.assert_array_equal(b1["targets"][:, :-1], b1["tokens"][:, 1:])
@@ -87,11 +93,16 @@ def test_muon_routes_hidden_matrices_by_structure():
     mask = optim.hidden_matrix_mask(model, params, 257)
     flat = {jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_leaves_with_path(mask)}
     hidden = sorted(k for k, m in flat.items() if m)
-    assert hidden and all("kernel" in k and ("qkv" in k or "out" in k or "up" in k or "down" in k)
-                          for k in hidden)
-    assert not any(m for k, m in flat.items() if "embed" in k or "head" in k or "scale" in k or "bias" in k)
+    assert hidden and all(
+        "kernel" in k and ("qkv" in k or "out" in k or "up" in k or "down" in k) for k in hidden
+    )
+    assert not any(
+        m for k, m in flat.items() if "embed" in k or "head" in k or "scale" in k or "bias" in k
+    )
 
-    cfg = config_lib.OptimizerConfig(name="muon", learning_rate=0.02, warmup_steps=0, weight_decay=0.0)
+    cfg = config_lib.OptimizerConfig(
+        name="muon", learning_rate=0.02, warmup_steps=0, weight_decay=0.0
+    )
     tx = cfg.build(10, mask)
     state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
@@ -105,7 +116,9 @@ def test_muon_routes_hidden_matrices_by_structure():
 
 
 def test_schedule_and_clipping():
-    cfg = config_lib.OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1, clip_norm=0.5)
+    cfg = config_lib.OptimizerConfig(
+        learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1, clip_norm=0.5
+    )
     sched = optim.schedule(cfg, 100, 1.0)
     assert float(sched(0)) == 0.0 and float(sched(10)) == pytest.approx(1.0)
     assert float(sched(100)) == pytest.approx(0.1)
@@ -124,13 +137,15 @@ def test_schedule_extension_is_continuous(at):
         assert float(after(s)) == pytest.approx(float(before(s)), rel=1e-6), s
     rates = np.array([float(after(s)) for s in range(at, 201)])
     assert rates[-1] == pytest.approx(0.1, rel=1e-5)  # the floor at the new total
-    past_peak = rates[max(0, 5 - at):]
+    past_peak = rates[max(0, 5 - at) :]
     assert np.all(np.diff(past_peak) <= 1e-7)  # decays from there, never jumps back up
     assert np.max(np.abs(np.diff(rates))) <= 0.21  # no jump bigger than a warmup step (0.2)
     # A second extension continues from the first one's curve.
     again = optim.schedule(cfg, 300, 1.0, extensions=((at, 100), (150, 200)))
     assert float(again(150)) == pytest.approx(float(after(150)), rel=1e-6)
-    assert float(again(300)) == pytest.approx(0.1, rel=1e-5) and float(again(151)) <= float(again(150))
+    assert float(again(300)) == pytest.approx(0.1, rel=1e-5) and float(again(151)) <= float(
+        again(150)
+    )
 
 
 def test_small_text_folder_splits_by_tokens(tmp_path):

@@ -34,7 +34,15 @@ def test_metrics_rows_and_outputs(tmp_path):
     assert result.status == "done" and result.step == 4 and result.checkpoint_step == 4
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "L0/max_gain", "L1/top1_share", "L1/top4_share"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "L0/max_gain",
+        "L1/top1_share",
+        "L1/top4_share",
+    ):
         assert all(np.isfinite(r[key]) for r in rows), key
     last = rows[-1]
     assert 0 < last["val_ce"] < 10 and last["L0/top1_share"] <= last["L0/top4_share"] <= 1
@@ -50,7 +58,9 @@ def test_resume_is_bit_exact(tmp_path):
     straight = loop.train(tiny_config(tmp_path / "a", **kw), progress=False, hooks=HOOKS)
     half = loop.train(tiny_config(tmp_path / "b", stop_at=3, **kw), progress=False, hooks=HOOKS)
     assert half.status == "stopped" and half.step == 3 and half.checkpoint_step == 3
-    resumed = loop.train(tiny_config(tmp_path / "b", resume=True, **kw), progress=False, hooks=HOOKS)
+    resumed = loop.train(
+        tiny_config(tmp_path / "b", resume=True, **kw), progress=False, hooks=HOOKS
+    )
     assert resumed.step == straight.step == 6
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b")
     for x, y in zip(_params(str(tmp_path / "a")), _params(str(tmp_path / "b"))):
@@ -59,7 +69,9 @@ def test_resume_is_bit_exact(tmp_path):
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     opt = config_lib.OptimizerConfig(learning_rate=1e36, warmup_steps=0, clip_norm=1e30)
-    cfg = tiny_config(tmp_path / "run", steps=8, ckpt_every=1, eval_every=0, probe_every=0, optimizer=opt)
+    cfg = tiny_config(
+        tmp_path / "run", steps=8, ckpt_every=1, eval_every=0, probe_every=0, optimizer=opt
+    )
     with pytest.raises(loop.NonFiniteLoss, match="loss is"):
         loop.train(cfg, progress=False, hooks=HOOKS)
     params = _params(str(tmp_path / "run"))
@@ -94,22 +106,34 @@ def test_run_dir_refusals(tmp_path):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "file.txt").write_text("x")
     with pytest.raises(ValueError, match="not a run directory"):
-        loop.train(dataclasses.replace(cfg, run_dir=str(tmp_path / "junk")), progress=False, hooks=HOOKS)
+        loop.train(
+            dataclasses.replace(cfg, run_dir=str(tmp_path / "junk")), progress=False, hooks=HOOKS
+        )
 
 
 def test_init_from_with_fresh_optimizer(tmp_path):
     kw = dict(ckpt_every=0, eval_every=0, probe_every=0)
     loop.train(tiny_config(tmp_path / "base", steps=2, **kw), progress=False, hooks=HOOKS)
-    cfg = tiny_config(tmp_path / "ext", steps=1, seq_len=64, init_from=str(tmp_path / "base"),
-                      fresh_optimizer=True, log_every=1, **kw)
+    cfg = tiny_config(
+        tmp_path / "ext",
+        steps=1,
+        seq_len=64,
+        init_from=str(tmp_path / "base"),
+        fresh_optimizer=True,
+        log_every=1,
+        **kw,
+    )
     result = loop.train(cfg, progress=False, hooks=HOOKS)
     assert result.step == 1
     base = _params(str(tmp_path / "base"))
     ext = _params(str(tmp_path / "ext"))
     assert any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(base, ext))
     first = _losses(tmp_path / "ext")[1]
-    scratch = loop.train(tiny_config(tmp_path / "scratch", steps=1, seq_len=64, log_every=1, **kw),
-                         progress=False, hooks=HOOKS)
+    scratch = loop.train(
+        tiny_config(tmp_path / "scratch", steps=1, seq_len=64, log_every=1, **kw),
+        progress=False,
+        hooks=HOOKS,
+    )
     assert first < scratch.metrics["loss"]  # starts from the trained weights
 
 
@@ -125,8 +149,13 @@ def _tree_digest(path):
 
 def _damage(step_dir, how):
     if how == "truncated array file":
-        files = [os.path.join(r, n) for r, _, ns in os.walk(os.path.join(step_dir, "params")) for n in ns
-                 if os.sep + "d" + os.sep in os.path.join(r, n) and os.path.getsize(os.path.join(r, n)) > 64]
+        files = [
+            os.path.join(r, n)
+            for r, _, ns in os.walk(os.path.join(step_dir, "params"))
+            for n in ns
+            if os.sep + "d" + os.sep in os.path.join(r, n)
+            and os.path.getsize(os.path.join(r, n)) > 64
+        ]
         target = max(files, key=os.path.getsize)
         with open(target, "r+b") as f:
             f.truncate(os.path.getsize(target) // 2)
@@ -149,7 +178,9 @@ def test_resume_falls_back_past_a_damaged_checkpoint(tmp_path, capsys, how):
     damaged = _tree_digest(ckpts / "5")
     capsys.readouterr()
 
-    resumed = loop.train(tiny_config(tmp_path / "b", resume=True, **kw), progress=False, hooks=HOOKS)
+    resumed = loop.train(
+        tiny_config(tmp_path / "b", resume=True, **kw), progress=False, hooks=HOOKS
+    )
     err = capsys.readouterr().err
     assert resumed.status == "done" and resumed.step == 6
     assert str(ckpts / "5") in err and "resuming from the checkpoint at step 3" in err
@@ -165,7 +196,9 @@ def test_every_checkpoint_damaged_is_one_error_naming_them(tmp_path):
     kw = dict(steps=3, ckpt_every=0, eval_every=0, probe_every=0)
     loop.train(tiny_config(tmp_path / "b", **kw), progress=False, hooks=HOOKS)
     _damage(str(tmp_path / "b" / "checkpoints" / "3"), "garbage metadata")
-    with pytest.raises(ValueError, match=r"no readable checkpoint.*checkpoints/3: cannot read meta"):
+    with pytest.raises(
+        ValueError, match=r"no readable checkpoint.*checkpoints/3: cannot read meta"
+    ):
         loop.train(tiny_config(tmp_path / "b", resume=True, **kw), progress=False, hooks=HOOKS)
     assert os.listdir(tmp_path / "b" / "checkpoints") == ["3"]  # left where it was
 
@@ -177,17 +210,29 @@ def test_extending_a_run_continues_the_schedule(tmp_path):
     lr = lambda d: {r["step"]: r["lr"] for r in map(json.loads, open(d / "metrics.jsonl"))}  # noqa: E731
     done = lr(tmp_path / "a")
     # Extend 6 -> 10 in one go (a), or with a stop at 8 and a second resume (b): bit-exact.
-    loop.train(tiny_config(tmp_path / "a", steps=10, resume=True, **kw), progress=False, hooks=HOOKS)
-    loop.train(tiny_config(tmp_path / "b", steps=10, stop_at=8, resume=True, **kw), progress=False, hooks=HOOKS)
-    loop.train(tiny_config(tmp_path / "b", steps=10, resume=True, **kw), progress=False, hooks=HOOKS)
+    loop.train(
+        tiny_config(tmp_path / "a", steps=10, resume=True, **kw), progress=False, hooks=HOOKS
+    )
+    loop.train(
+        tiny_config(tmp_path / "b", steps=10, stop_at=8, resume=True, **kw),
+        progress=False,
+        hooks=HOOKS,
+    )
+    loop.train(
+        tiny_config(tmp_path / "b", steps=10, resume=True, **kw), progress=False, hooks=HOOKS
+    )
     assert _losses(tmp_path / "a") == _losses(tmp_path / "b") and len(_losses(tmp_path / "a")) == 10
     rates = lr(tmp_path / "a")
     assert all(rates[s] == done[s] for s in range(1, 7))  # the steps taken keep their rates
-    assert rates[7] <= rates[6] and rates[6] - rates[7] < rates[5] - rates[6] + 1e-9  # no jump back up
+    assert (
+        rates[7] <= rates[6] and rates[6] - rates[7] < rates[5] - rates[6] + 1e-9
+    )  # no jump back up
     assert rates[10] == pytest.approx(3e-3 * 0.1, rel=1e-3)  # the floor at the new end
     assert config_lib.RunConfig.load(str(tmp_path / "b")).extensions == ((6, 6),)
     with pytest.raises(ValueError, match="--steps 5: the run is already at step 10"):
-        loop.train(tiny_config(tmp_path / "a", steps=5, resume=True, **kw), progress=False, hooks=HOOKS)
+        loop.train(
+            tiny_config(tmp_path / "a", steps=5, resume=True, **kw), progress=False, hooks=HOOKS
+        )
 
 
 def test_tensorboard_has_each_step_once_after_a_resume(tmp_path):
@@ -208,7 +253,9 @@ def test_tensorboard_has_each_step_once_after_a_resume(tmp_path):
 
 def test_failed_new_run_leaves_no_directory(tmp_path, monkeypatch):
     cfg = tiny_config(tmp_path / "run", steps=2, ckpt_every=0, eval_every=0, probe_every=0)
-    monkeypatch.setattr(loop, "make_step_fns", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(
+        loop, "make_step_fns", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))
+    )
     with pytest.raises(RuntimeError, match="boom"):
         loop.train(cfg, progress=False, hooks=HOOKS)
     assert not os.path.exists(tmp_path / "run")
@@ -232,6 +279,8 @@ def test_run_dir_errors_name_the_flag(tmp_path, monkeypatch):
 
     monkeypatch.setattr(config_lib, "write_json_atomic", denied)
     cfg = tiny_config(tmp_path / "ro", steps=1, ckpt_every=0, eval_every=0, probe_every=0)
-    with pytest.raises(ValueError, match="--run-dir .*: cannot write config.json \\(Permission denied\\)"):
+    with pytest.raises(
+        ValueError, match="--run-dir .*: cannot write config.json \\(Permission denied\\)"
+    ):
         loop.train(cfg, progress=False, hooks=HOOKS)
     assert not os.path.exists(tmp_path / "ro")

@@ -18,11 +18,15 @@ def _xla_bytes(cfg, build):
     """Arguments + outputs + temporaries of the compiled train step (compiled, never run)."""
     model = nnx.eval_shape(lambda: build(cfg))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    tx = cfg.optimizer.build(cfg.steps, optim.hidden_matrix_mask(model, params, cfg.model_config.vocab_size))
+    tx = cfg.optimizer.build(
+        cfg.steps, optim.hidden_matrix_mask(model, params, cfg.model_config.vocab_size)
+    )
     step, _ = loop.make_step_fns(graphdef, rest, tx, parallel.make_mesh(1))
     B, T = cfg.batch_size, cfg.seq_len
-    batch = {k: jax.ShapeDtypeStruct((B, T), jnp.float32 if k == "mask" else jnp.int32)
-             for k in ("tokens", "targets", "segments", "mask")}
+    batch = {
+        k: jax.ShapeDtypeStruct((B, T), jnp.float32 if k == "mask" else jnp.int32)
+        for k in ("tokens", "targets", "segments", "mask")
+    }
     m = step.lower(params, jax.eval_shape(tx.init, params), batch).compile().memory_analysis()
     return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
 
@@ -42,7 +46,9 @@ def test_small_preset_on_a_16_gb_machine_is_refused_in_one_line(tmp_path, monkey
     monkeypatch.setattr(memory, "available_bytes", lambda: (16 * GB, "available host memory"))
     assert main(["--preset", "small", "--steps", "2", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: --batch-size 16 --seq-len 2048: the run needs about")
+    assert err.count("\n") == 0 and err.startswith(
+        "error: --batch-size 16 --seq-len 2048: the run needs about"
+    )
     assert "16.0 GB is available host memory" in err and "lower --batch-size or --seq-len" in err
     assert "--skip-memory-check" in err and not (tmp_path / "run").exists()
 
@@ -52,7 +58,9 @@ def test_skip_memory_check_starts_anyway(tmp_path, monkeypatch):
     kw = dict(steps=1, ckpt_every=0, eval_every=0, probe_every=0)
     with pytest.raises(memory.InsufficientMemory, match="needs about"):
         loop.train(tiny_config(tmp_path / "a", **kw), progress=False, hooks=HOOKS)
-    result = loop.train(tiny_config(tmp_path / "b", skip_memory_check=True, **kw), progress=False, hooks=HOOKS)
+    result = loop.train(
+        tiny_config(tmp_path / "b", skip_memory_check=True, **kw), progress=False, hooks=HOOKS
+    )
     assert result.status == "done"
 
 

@@ -62,15 +62,28 @@ SCRIPT = textwrap.dedent("""
 
 @pytest.mark.parametrize("model_parallel", [1, 2], ids=["data4", "data2_model2"])
 def test_several_devices_match_one_device(tmp_path, model_parallel):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), json.dumps(KW), str(model_parallel)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(
+            [TESTS, os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), json.dumps(KW), str(model_parallel)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.load(open(tmp_path / "result.json"))
 
     one = loop.train(tiny_config(tmp_path / "one", **KW), progress=False, hooks=HOOKS)
-    np.testing.assert_allclose(result["final"], [one.metrics["loss"], one.metrics["val_ce"]], rtol=2e-4)
+    np.testing.assert_allclose(
+        result["final"], [one.metrics["loss"], one.metrics["val_ce"]], rtol=2e-4
+    )
     if model_parallel == 1:  # pmap: the attention op and a train step
         assert result["pmap_attention_err"] < 1e-5
         first = [json.loads(line) for line in open(tmp_path / "one" / "metrics.jsonl")][0]

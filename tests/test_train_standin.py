@@ -29,7 +29,9 @@ class Block(nnx.Module):
 
     def qkv_BTHD(self, x_BTD):
         B, T, _ = x_BTD.shape
-        q, k, v = jnp.split(self.qkv(self.norm1(x_BTD)).reshape(B, T, 3 * self.heads, self.hd), 3, axis=2)
+        q, k, v = jnp.split(
+            self.qkv(self.norm1(x_BTD)).reshape(B, T, 3 * self.heads, self.hd), 3, axis=2
+        )
         return self.q_norm(q), self.k_norm(k), v
 
     def __call__(self, x_BTD, segment_ids, attention, tap_BTHD=None):
@@ -52,8 +54,16 @@ class StandinLM(nnx.Module):
     def attention(self, q, k, v, segment_ids):
         delta = self.arm if self.arm in ("matched", "do_matched", "stale") else "matched"
         precision = "bf16" if self.arm in ("bf16", "reference") else "fp8"
-        return dm_jax.attention(q, k, v, causal=True, delta=delta, precision=precision,
-                                segment_ids=segment_ids, implementation="reference")
+        return dm_jax.attention(
+            q,
+            k,
+            v,
+            causal=True,
+            delta=delta,
+            precision=precision,
+            segment_ids=segment_ids,
+            implementation="reference",
+        )
 
     def inputs(self, tokens_BT):
         """Token embeddings plus fixed sinusoidal positions (a position-blind model would give
@@ -72,7 +82,9 @@ class StandinLM(nnx.Module):
 
 def standin_build(run_config):
     o = dict(run_config.model.overrides)
-    return StandinLM(o["vocab_size"], arm=o.get("attention", "matched"), rngs=nnx.Rngs(run_config.seed))
+    return StandinLM(
+        o["vocab_size"], arm=o.get("attention", "matched"), rngs=nnx.Rngs(run_config.seed)
+    )
 
 
 def standin_qk_gains(model):
@@ -96,9 +108,13 @@ def standin_probe(model, tokens_BT, targets_BT, *, segment_ids=None):
     return {i: dict(q=q, k=k, v=v, do=do) for i, ((q, k, v), do) in enumerate(zip(qkvs, dos))}
 
 
-HOOKS = model_lib.ModelHooks(build=standin_build, qk_gains=standin_qk_gains, attention_probe=standin_probe,
-                             gain_statistics=diagnostics.gain_statistics,
-                             row_sum_residuals=diagnostics.row_sum_residuals)
+HOOKS = model_lib.ModelHooks(
+    build=standin_build,
+    qk_gains=standin_qk_gains,
+    attention_probe=standin_probe,
+    gain_statistics=diagnostics.gain_statistics,
+    row_sum_residuals=diagnostics.row_sum_residuals,
+)
 
 
 def tiny_config(run_dir, **kw):
@@ -106,9 +122,20 @@ def tiny_config(run_dir, **kw):
     arm = kw.pop("attention", "matched")
     data = kw.pop("data", config_lib.DataConfig(max_builtin_bytes=400_000))
     model = config_lib.ModelSpec("standin", "tiny", (("attention", arm), ("vocab_size", 257)))
-    base = dict(model=model, data=data, run_dir=str(run_dir), steps=6, batch_size=4, seq_len=32,
-                log_every=2, eval_every=3, eval_batches=1, probe_every=3, ckpt_every=3,
-                optimizer=config_lib.OptimizerConfig(warmup_steps=2))
+    base = dict(
+        model=model,
+        data=data,
+        run_dir=str(run_dir),
+        steps=6,
+        batch_size=4,
+        seq_len=32,
+        log_every=2,
+        eval_every=3,
+        eval_batches=1,
+        probe_every=3,
+        ckpt_every=3,
+        optimizer=config_lib.OptimizerConfig(warmup_steps=2),
+    )
     base.update(kw)
     return config_lib.RunConfig(**base)
 

@@ -19,7 +19,9 @@ def main(argv=None) -> int:
 
 
 def _one_line(e: BaseException) -> str:
-    return " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    return (
+        " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    )
 
 
 if __name__ == "__main__":

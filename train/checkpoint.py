@@ -78,8 +78,10 @@ def _flat(tree) -> dict:  # the layout before names were stored
 def fingerprint(tree) -> str:
     """Hash of a tree's leaf paths, shapes and dtypes."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    desc = "".join(f"{jax.tree_util.keystr(p)}{np.shape(x)}{np.dtype(getattr(x, 'dtype', type(x)))}"
-                   for p, x in leaves)
+    desc = "".join(
+        f"{jax.tree_util.keystr(p)}{np.shape(x)}{np.dtype(getattr(x, 'dtype', type(x)))}"
+        for p, x in leaves
+    )
     return hashlib.sha256(desc.encode()).hexdigest()[:16]
 
 
@@ -112,7 +114,11 @@ def complete_steps(directory: str) -> list[int]:
     only once every file is written), ascending; [] if there is none."""
     if not os.path.isdir(directory):
         return []
-    return sorted(int(n) for n in os.listdir(directory) if n.isdigit() and os.path.isdir(os.path.join(directory, n)))
+    return sorted(
+        int(n)
+        for n in os.listdir(directory)
+        if n.isdigit() and os.path.isdir(os.path.join(directory, n))
+    )
 
 
 class DamagedCheckpoint(ValueError):
@@ -124,12 +130,15 @@ class Checkpointer:
 
     def __init__(self, directory: str, keep: int = 3, *, read_only: bool = False):
         self.directory = os.path.abspath(directory)
-        self._options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                                     read_only=read_only)
+        self._options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=not read_only, read_only=read_only
+        )
         self.manager = self._open()
 
     def _open(self):
-        return ocp.CheckpointManager(self.directory, options=self._options, item_names=ITEMS + ("meta",))
+        return ocp.CheckpointManager(
+            self.directory, options=self._options, item_names=ITEMS + ("meta",)
+        )
 
     def latest_step(self) -> Optional[int]:
         return self.manager.latest_step()
@@ -139,9 +148,13 @@ class Checkpointer:
 
     def save(self, step: int, trees: dict[str, Any], meta: dict) -> None:
         """`trees`: name in ITEMS -> array tree; `meta`: JSON-able dict."""
-        meta = dict(meta, layout=LAYOUT, fingerprints={name: fingerprint(t) for name, t in trees.items()})
+        meta = dict(
+            meta, layout=LAYOUT, fingerprints={name: fingerprint(t) for name, t in trees.items()}
+        )
         items = {name: ocp.args.StandardSave(_named(tree)) for name, tree in trees.items()}
-        self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items), force=True)
+        self.manager.save(
+            step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items), force=True
+        )
 
     def restore(self, templates: dict[str, Any], step: Optional[int] = None) -> tuple[dict, dict]:
         """Restores the trees named in `templates` (same structure as saved) and the meta dict.
@@ -152,28 +165,43 @@ class Checkpointer:
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
         where = os.path.join(self.directory, str(step))
-        meta = self._read(where, "meta", lambda: self.manager.restore(
-            step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        meta = self._read(
+            where,
+            "meta",
+            lambda: self.manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"],
+        )
         if not isinstance(meta, dict) or not isinstance(meta.get("fingerprints"), dict):
             raise DamagedCheckpoint(f"checkpoint {where}: meta holds no fingerprints")
         for name, tree in templates.items():
             if name not in meta["fingerprints"]:
                 raise DamagedCheckpoint(f"checkpoint {where}: has no {name!r} item")
             if meta["fingerprints"][name] != fingerprint(tree):
-                raise ValueError(f"checkpoint {where}: its {name!r} tree does not match this "
-                                 "model/optimizer (different config?)")
+                raise ValueError(
+                    f"checkpoint {where}: its {name!r} tree does not match this "
+                    "model/optimizer (different config?)"
+                )
         named = meta.get("layout") == LAYOUT
         pack = _named if named else _flat
-        items = {name: ocp.args.StandardRestore(_abstract(pack(tree))) for name, tree in templates.items()}
-        restored = self._read(where, ", ".join(templates), lambda: self.manager.restore(
-            step, args=ocp.args.Composite(**items)))
+        items = {
+            name: ocp.args.StandardRestore(_abstract(pack(tree)))
+            for name, tree in templates.items()
+        }
+        restored = self._read(
+            where,
+            ", ".join(templates),
+            lambda: self.manager.restore(step, args=ocp.args.Composite(**items)),
+        )
         trees = {}
         for name, template in templates.items():
             if named:
                 trees[name] = _from_named(template, restored[name])
             else:
-                trees[name] = jax.tree.unflatten(jax.tree.structure(template),
-                                                 [restored[name][k] for k in sorted(restored[name])])
+                trees[name] = jax.tree.unflatten(
+                    jax.tree.structure(template),
+                    [restored[name][k] for k in sorted(restored[name])],
+                )
         return trees, meta
 
     @staticmethod
@@ -187,10 +215,13 @@ class Checkpointer:
             raise
         except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types for bad files
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise DamagedCheckpoint(f"checkpoint {where}: cannot read {what} "
-                                    f"({type(e).__name__}: {reason[:300]})") from e
+            raise DamagedCheckpoint(
+                f"checkpoint {where}: cannot read {what} ({type(e).__name__}: {reason[:300]})"
+            ) from e
 
-    def restore_latest_good(self, templates: dict[str, Any]) -> tuple[Optional[tuple[int, dict, dict]], list]:
+    def restore_latest_good(
+        self, templates: dict[str, Any]
+    ) -> tuple[Optional[tuple[int, dict, dict]], list]:
         """((step, trees, meta) of the newest checkpoint that restores, or None if there is no
         checkpoint; [(step, reason), ...] of the damaged ones newer than it).
 
@@ -205,8 +236,10 @@ class Checkpointer:
                 continue
             return (step, trees, meta), damaged
         if damaged:
-            raise ValueError(f"no readable checkpoint in {self.directory}: "
-                             + "; ".join(reason for _, reason in damaged))
+            raise ValueError(
+                f"no readable checkpoint in {self.directory}: "
+                + "; ".join(reason for _, reason in damaged)
+            )
         return None, []
 
     def set_aside(self, step: int, into: str) -> str:

@@ -90,13 +90,31 @@ class DataConfig:
     max_builtin_bytes: int = 16_000_000
 
     def validate(self) -> None:
-        _check(self.tokenizer in TOKENIZERS, "--tokenizer", f"expected one of {TOKENIZERS}, got {self.tokenizer!r}")
-        _check(self.tokenizer != "tiktoken" or bool(self.tiktoken_encoding), "--tiktoken",
-               "a tiktoken tokenizer needs an encoding name or file (--tiktoken NAME_OR_PATH)")
-        _check(self.packing in PACKINGS, "--packing", f"expected one of {PACKINGS}, got {self.packing!r}")
-        _check(0.0 < self.val_fraction < 0.5, "--val-fraction", f"expected in (0, 0.5), got {self.val_fraction}")
-        _check(self.source == "builtin" or os.path.exists(self.source), "--data",
-               f"no such file or directory: {self.source!r}")
+        _check(
+            self.tokenizer in TOKENIZERS,
+            "--tokenizer",
+            f"expected one of {TOKENIZERS}, got {self.tokenizer!r}",
+        )
+        _check(
+            self.tokenizer != "tiktoken" or bool(self.tiktoken_encoding),
+            "--tiktoken",
+            "a tiktoken tokenizer needs an encoding name or file (--tiktoken NAME_OR_PATH)",
+        )
+        _check(
+            self.packing in PACKINGS,
+            "--packing",
+            f"expected one of {PACKINGS}, got {self.packing!r}",
+        )
+        _check(
+            0.0 < self.val_fraction < 0.5,
+            "--val-fraction",
+            f"expected in (0, 0.5), got {self.val_fraction}",
+        )
+        _check(
+            self.source == "builtin" or os.path.exists(self.source),
+            "--data",
+            f"no such file or directory: {self.source!r}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,13 +133,32 @@ class OptimizerConfig:
     clip_norm: float = 1.0
 
     def validate(self) -> None:
-        _check(self.name in OPTIMIZERS, "--optimizer", f"expected one of {OPTIMIZERS}, got {self.name!r}")
-        _check(_positive(self.learning_rate), "--lr", f"must be a positive number, got {self.learning_rate}")
-        _check(_positive(self.adam_lr_ratio), "--adam-lr-ratio", f"must be a positive number, got {self.adam_lr_ratio}")
+        _check(
+            self.name in OPTIMIZERS,
+            "--optimizer",
+            f"expected one of {OPTIMIZERS}, got {self.name!r}",
+        )
+        _check(
+            _positive(self.learning_rate),
+            "--lr",
+            f"must be a positive number, got {self.learning_rate}",
+        )
+        _check(
+            _positive(self.adam_lr_ratio),
+            "--adam-lr-ratio",
+            f"must be a positive number, got {self.adam_lr_ratio}",
+        )
         _check(self.warmup_steps >= 0, "--warmup", f"must be >= 0, got {self.warmup_steps}")
-        _check(self.weight_decay >= 0 and math.isfinite(self.weight_decay), "--weight-decay",
-               f"must be >= 0, got {self.weight_decay}")
-        _check(_positive(self.clip_norm), "--clip-norm", f"must be a positive number, got {self.clip_norm}")
+        _check(
+            self.weight_decay >= 0 and math.isfinite(self.weight_decay),
+            "--weight-decay",
+            f"must be >= 0, got {self.weight_decay}",
+        )
+        _check(
+            _positive(self.clip_norm),
+            "--clip-norm",
+            f"must be a positive number, got {self.clip_norm}",
+        )
 
     def build(self, total_steps: int, hidden_mask, extensions: tuple = ()):
         """optax transformation; `hidden_mask` is a bool tree, True for Muon's hidden matrices;
@@ -161,9 +198,23 @@ class RunConfig:
     # `steps_before`; the learning-rate schedule continues from its value there.
     extensions: tuple[tuple[int, int], ...] = ()
 
-    VOLATILE = ("run_dir", "steps", "log_every", "eval_every", "eval_batches", "probe_every",
-                "ckpt_every", "keep_checkpoints", "stop_at", "resume", "init_from",
-                "fresh_optimizer", "distributed", "skip_memory_check", "extensions")
+    VOLATILE = (
+        "run_dir",
+        "steps",
+        "log_every",
+        "eval_every",
+        "eval_batches",
+        "probe_every",
+        "ckpt_every",
+        "keep_checkpoints",
+        "stop_at",
+        "resume",
+        "init_from",
+        "fresh_optimizer",
+        "distributed",
+        "skip_memory_check",
+        "extensions",
+    )
     # Fields that describe one invocation, not the run: --resume never takes them from the
     # saved config.json.
     PER_INVOCATION = ("run_dir", "resume", "stop_at", "distributed", "skip_memory_check")
@@ -176,15 +227,28 @@ class RunConfig:
         _check(self.batch_size > 0, "--batch-size", f"must be positive, got {self.batch_size}")
         _check(self.seq_len > 1, "--seq-len", f"must be > 1, got {self.seq_len}")
         _check(self.seed >= 0, "--seed", f"must be >= 0, got {self.seed}")
-        _check(self.stop_at is None or self.stop_at >= 1, "--stop-at",
-               f"must be a step >= 1, got {self.stop_at}")
+        _check(
+            self.stop_at is None or self.stop_at >= 1,
+            "--stop-at",
+            f"must be a step >= 1, got {self.stop_at}",
+        )
         _check(self.eval_batches >= 1, "--eval-batches", f"must be >= 1, got {self.eval_batches}")
-        for flag, every in (("--log-every", self.log_every), ("--eval-every", self.eval_every),
-                            ("--probe-every", self.probe_every), ("--ckpt-every", self.ckpt_every)):
+        for flag, every in (
+            ("--log-every", self.log_every),
+            ("--eval-every", self.eval_every),
+            ("--probe-every", self.probe_every),
+            ("--ckpt-every", self.ckpt_every),
+        ):
             _check(every >= 0, flag, f"must be >= 0 (0 turns it off), got {every}")
         _check(self.keep_checkpoints >= 1, "--keep", f"must be >= 1, got {self.keep_checkpoints}")
-        _check(self.model_parallel >= 1, "--model-parallel", f"must be >= 1, got {self.model_parallel}")
-        _check(not self.fresh_optimizer or bool(self.init_from), "--fresh-optimizer", "needs --init-from CKPT")
+        _check(
+            self.model_parallel >= 1, "--model-parallel", f"must be >= 1, got {self.model_parallel}"
+        )
+        _check(
+            not self.fresh_optimizer or bool(self.init_from),
+            "--fresh-optimizer",
+            "needs --init-from CKPT",
+        )
         self.data.validate()
         self.optimizer.validate()
 
@@ -215,9 +279,12 @@ class RunConfig:
         model["overrides"] = tuple(tuple(kv) for kv in model.get("overrides", ()))
         known = {f.name for f in dataclasses.fields(cls)}
         d["extensions"] = tuple(tuple(e) for e in d.get("extensions", ()))
-        return cls(model=ModelSpec(**model), data=DataConfig(**d.pop("data")),
-                   optimizer=OptimizerConfig(**d.pop("optimizer")),
-                   **{k: v for k, v in d.items() if k in known})
+        return cls(
+            model=ModelSpec(**model),
+            data=DataConfig(**d.pop("data")),
+            optimizer=OptimizerConfig(**d.pop("optimizer")),
+            **{k: v for k, v in d.items() if k in known},
+        )
 
     def save(self, run_dir: str, model_config=None) -> None:
         """Writes config.json; `model_config` (the built model's config) is stored for reading."""
@@ -261,12 +328,20 @@ def check_compatible(saved: RunConfig, new: RunConfig) -> None:
     a, b = _flatten(_compat_tree(saved)), _flatten(_compat_tree(new))
     diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
     if diff:
-        flags = {path: "--" + dest.replace("_", "-") for dest, paths in FLAG_FIELDS.items() for path in paths}
-        lines = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" + (f" ({flags[k]})" if k in flags else "")
-                          for k in diff)
-        raise ValueError(f"--run-dir {new.run_dir!r} holds a run with a different config ({lines}); "
-                         "--resume continues a run with its saved config (drop those flags), "
-                         "or use a new --run-dir")
+        flags = {
+            path: "--" + dest.replace("_", "-")
+            for dest, paths in FLAG_FIELDS.items()
+            for path in paths
+        }
+        lines = ", ".join(
+            f"{k}: {a.get(k)!r} -> {b.get(k)!r}" + (f" ({flags[k]})" if k in flags else "")
+            for k in diff
+        )
+        raise ValueError(
+            f"--run-dir {new.run_dir!r} holds a run with a different config ({lines}); "
+            "--resume continues a run with its saved config (drop those flags), "
+            "or use a new --run-dir"
+        )
 
 
 def _tree(cfg: RunConfig) -> dict:
@@ -299,7 +374,11 @@ def split_preset(preset: str) -> tuple[str, str]:
 
     family, _, size = preset.rpartition("-")
     family = family or DEFAULT_FAMILY
-    _check(family in models.FAMILIES, "--preset", f"unknown family {family!r}; families: {sorted(models.FAMILIES)}")
+    _check(
+        family in models.FAMILIES,
+        "--preset",
+        f"unknown family {family!r}; families: {sorted(models.FAMILIES)}",
+    )
     _check(size in models.SIZES, "--preset", f"unknown size {size!r}; sizes: {list(models.SIZES)}")
     return family, size
 
@@ -307,75 +386,157 @@ def split_preset(preset: str) -> tuple[str, str]:
 def _preset_epilog() -> str:
     from dm_jax import models
 
-    rows = [f"  {size:<6} {d['batch_size']:>5} {d['seq_len']:>7} {d['steps']:>5} {d['learning_rate']:>8g}"
-            for size, d in SIZE_DEFAULTS.items()]
-    return "\n".join([
-        "presets: --preset SIZE (family gdn_gqa) or FAMILY-SIZE",
-        f"  families: {', '.join(models.FAMILIES)}",
-        f"  sizes:    {', '.join(models.SIZES)}",
-        "per-size defaults (each flag overrides one):",
-        "  size   batch seq-len steps       lr",
-        *rows,
-        "memory each preset needs: README.md, 'Models and training'; the check before the first",
-        "step refuses a run that cannot fit (--skip-memory-check turns it off)",
-        "",
-        "python -m train --resume --run-dir DIR continues DIR with its saved flags; --steps N",
-        "extends it (the learning rate continues smoothly to its floor at step N)"])
+    rows = [
+        f"  {size:<6} {d['batch_size']:>5} {d['seq_len']:>7} {d['steps']:>5} {d['learning_rate']:>8g}"
+        for size, d in SIZE_DEFAULTS.items()
+    ]
+    return "\n".join(
+        [
+            "presets: --preset SIZE (family gdn_gqa) or FAMILY-SIZE",
+            f"  families: {', '.join(models.FAMILIES)}",
+            f"  sizes:    {', '.join(models.SIZES)}",
+            "per-size defaults (each flag overrides one):",
+            "  size   batch seq-len steps       lr",
+            *rows,
+            "memory each preset needs: README.md, 'Models and training'; the check before the first",
+            "step refuses a run that cannot fit (--skip-memory-check turns it off)",
+            "",
+            "python -m train --resume --run-dir DIR continues DIR with its saved flags; --steps N",
+            "extends it (the learning rate continues smoothly to its floor at step N)",
+        ]
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m train",
         description="Train a hybrid LM with FP8 Delta-Matching attention (defaults: tiny preset, "
-                    "built-in data, reference attention on CPU, Pallas kernels on GPU).",
-        epilog=_preset_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        "built-in data, reference attention on CPU, Pallas kernels on GPU).",
+        epilog=_preset_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     a = p.add_argument
-    a("--preset", default="tiny", help="SIZE for the default family (gdn_gqa) or FAMILY-SIZE, e.g. "
-      "gdn_mla-small; sizes and their defaults are listed below (default: tiny)")
+    a(
+        "--preset",
+        default="tiny",
+        help="SIZE for the default family (gdn_gqa) or FAMILY-SIZE, e.g. "
+        "gdn_mla-small; sizes and their defaults are listed below (default: tiny)",
+    )
     a("--attention", default="matched", choices=ATTENTION_ARMS, help="attention arm")
-    a("--attention-implementation", default=None, choices=IMPLEMENTATIONS,
-      help="attention backend; default: pallas on GPU, reference elsewhere")
+    a(
+        "--attention-implementation",
+        default=None,
+        choices=IMPLEMENTATIONS,
+        help="attention backend; default: pallas on GPU, reference elsewhere",
+    )
     a("--qk-norm", default=None, choices=("on", "off"), help="override the preset's QK-norm")
     a("--rope", default=None, choices=("on", "off"), help="override the preset's RoPE (off = NoPE)")
     a("--head-dim", type=int, default=None)
-    a("--mixer-impl", default=None, choices=("chunked", "naive"),
-      help="linear-mixer form; default: chunked (parallel within chunks); naive is the "
-           "step-by-step recurrence")
-    a("--steps", type=int, default=None, help="total optimizer steps (sets the LR schedule; "
-      "default: the preset's); with --resume, a new total extends or shortens the run")
-    a("--batch-size", type=int, default=None, help="global batch size in sequences (default: the preset's)")
+    a(
+        "--mixer-impl",
+        default=None,
+        choices=("chunked", "naive"),
+        help="linear-mixer form; default: chunked (parallel within chunks); naive is the "
+        "step-by-step recurrence",
+    )
+    a(
+        "--steps",
+        type=int,
+        default=None,
+        help="total optimizer steps (sets the LR schedule; "
+        "default: the preset's); with --resume, a new total extends or shortens the run",
+    )
+    a(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="global batch size in sequences (default: the preset's)",
+    )
     a("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     a("--seed", type=int, default=0)
     a("--run-dir", default=None, help="default: runs/<timestamp>-<preset>-<attention>")
-    a("--resume", action="store_true", help="continue the run in --run-dir from its last good checkpoint, "
-      "with its saved config (flags given here must agree with it, except the bookkeeping ones)")
-    a("--init-from", default=None, metavar="CKPT", help="start from the weights of a run dir or checkpoint")
-    a("--fresh-optimizer", action="store_true", help="with --init-from: new optimizer state and schedule")
+    a(
+        "--resume",
+        action="store_true",
+        help="continue the run in --run-dir from its last good checkpoint, "
+        "with its saved config (flags given here must agree with it, except the bookkeeping ones)",
+    )
+    a(
+        "--init-from",
+        default=None,
+        metavar="CKPT",
+        help="start from the weights of a run dir or checkpoint",
+    )
+    a(
+        "--fresh-optimizer",
+        action="store_true",
+        help="with --init-from: new optimizer state and schedule",
+    )
     a("--stop-at", type=int, default=None, metavar="STEP", help="checkpoint and stop after STEP")
     a("--optimizer", default="adamw", choices=OPTIMIZERS)
     a("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
-    a("--adam-lr-ratio", type=float, default=1.0, help="muon: AdamW lr / Muon lr for embeddings, head, gains")
+    a(
+        "--adam-lr-ratio",
+        type=float,
+        default=1.0,
+        help="muon: AdamW lr / Muon lr for embeddings, head, gains",
+    )
     a("--warmup", type=int, default=None, help="warmup steps (default: 10%% of --steps)")
     a("--weight-decay", type=float, default=0.1)
     a("--clip-norm", type=float, default=1.0)
-    a("--data", default="builtin", help="'builtin', a text file, a directory of text files, or tokens (.npy/.bin)")
-    a("--tokenizer", default=None, choices=TOKENIZERS, help="default: byte, or tiktoken when --tiktoken is given")
-    a("--tiktoken", default=None, metavar="NAME_OR_PATH",
-      help="tiktoken encoding name or .tiktoken file (needs pip install -e '.[bpe]')")
-    a("--token-dtype", default="uint16", choices=("uint16", "uint32", "int32"), help="dtype of .bin token files")
+    a(
+        "--data",
+        default="builtin",
+        help="'builtin', a text file, a directory of text files, or tokens (.npy/.bin)",
+    )
+    a(
+        "--tokenizer",
+        default=None,
+        choices=TOKENIZERS,
+        help="default: byte, or tiktoken when --tiktoken is given",
+    )
+    a(
+        "--tiktoken",
+        default=None,
+        metavar="NAME_OR_PATH",
+        help="tiktoken encoding name or .tiktoken file (needs pip install -e '.[bpe]')",
+    )
+    a(
+        "--token-dtype",
+        default="uint16",
+        choices=("uint16", "uint32", "int32"),
+        help="dtype of .bin token files",
+    )
     a("--eos-id", type=int, default=None, help="document separator id in token files")
     a("--packing", default="segments", choices=PACKINGS)
     a("--val-fraction", type=float, default=0.02)
     a("--log-every", type=int, default=10)
     a("--eval-every", type=int, default=None, help="validation every N steps (0: off)")
     a("--eval-batches", type=int, default=4)
-    a("--probe-every", type=int, default=None, help="dS row-sum residual probe every N steps (0: off)")
+    a(
+        "--probe-every",
+        type=int,
+        default=None,
+        help="dS row-sum residual probe every N steps (0: off)",
+    )
     a("--ckpt-every", type=int, default=None, help="checkpoint every N steps (0: only at the end)")
     a("--keep", type=int, default=3, help="keep the last K checkpoints")
-    a("--model-parallel", type=int, default=1, help="split attention heads over a 'model' mesh axis of this size")
-    a("--distributed", action="store_true", help="call jax.distributed.initialize() (several hosts)")
-    a("--skip-memory-check", action="store_true",
-      help="start even when the memory estimate says the run does not fit")
+    a(
+        "--model-parallel",
+        type=int,
+        default=1,
+        help="split attention heads over a 'model' mesh axis of this size",
+    )
+    a(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (several hosts)",
+    )
+    a(
+        "--skip-memory-check",
+        action="store_true",
+        help="start even when the memory estimate says the run does not fit",
+    )
     return p
 
 
@@ -385,23 +546,40 @@ FLAG_FIELDS = {
     "preset": ("model.family", "model.size"),
     "attention": ("model.overrides.attention",),
     "attention_implementation": ("model.overrides.attention_implementation",),
-    "qk_norm": ("model.overrides.qk_norm",), "rope": ("model.overrides.rope",),
-    "head_dim": ("model.overrides.head_dim",), "mixer_impl": ("model.overrides.mixer_impl",),
-    "steps": ("steps",), "batch_size": ("batch_size",), "seq_len": ("seq_len",), "seed": ("seed",),
-    "run_dir": ("run_dir",), "resume": ("resume",), "init_from": ("init_from",),
-    "fresh_optimizer": ("fresh_optimizer",), "stop_at": ("stop_at",),
-    "optimizer": ("optimizer.name",), "lr": ("optimizer.learning_rate",),
-    "adam_lr_ratio": ("optimizer.adam_lr_ratio",), "warmup": ("optimizer.warmup_steps",),
-    "weight_decay": ("optimizer.weight_decay",), "clip_norm": ("optimizer.clip_norm",),
+    "qk_norm": ("model.overrides.qk_norm",),
+    "rope": ("model.overrides.rope",),
+    "head_dim": ("model.overrides.head_dim",),
+    "mixer_impl": ("model.overrides.mixer_impl",),
+    "steps": ("steps",),
+    "batch_size": ("batch_size",),
+    "seq_len": ("seq_len",),
+    "seed": ("seed",),
+    "run_dir": ("run_dir",),
+    "resume": ("resume",),
+    "init_from": ("init_from",),
+    "fresh_optimizer": ("fresh_optimizer",),
+    "stop_at": ("stop_at",),
+    "optimizer": ("optimizer.name",),
+    "lr": ("optimizer.learning_rate",),
+    "adam_lr_ratio": ("optimizer.adam_lr_ratio",),
+    "warmup": ("optimizer.warmup_steps",),
+    "weight_decay": ("optimizer.weight_decay",),
+    "clip_norm": ("optimizer.clip_norm",),
     "data": ("data.source", "model.overrides.vocab_size"),
     "tokenizer": ("data.tokenizer", "model.overrides.vocab_size"),
     "tiktoken": ("data.tiktoken_encoding", "data.tokenizer", "model.overrides.vocab_size"),
     "token_dtype": ("data.token_dtype", "model.overrides.vocab_size"),
     "eos_id": ("data.eos_id", "model.overrides.vocab_size"),
-    "packing": ("data.packing",), "val_fraction": ("data.val_fraction",),
-    "log_every": ("log_every",), "eval_every": ("eval_every",), "eval_batches": ("eval_batches",),
-    "probe_every": ("probe_every",), "ckpt_every": ("ckpt_every",), "keep": ("keep_checkpoints",),
-    "model_parallel": ("model_parallel",), "distributed": ("distributed",),
+    "packing": ("data.packing",),
+    "val_fraction": ("data.val_fraction",),
+    "log_every": ("log_every",),
+    "eval_every": ("eval_every",),
+    "eval_batches": ("eval_batches",),
+    "probe_every": ("probe_every",),
+    "ckpt_every": ("ckpt_every",),
+    "keep": ("keep_checkpoints",),
+    "model_parallel": ("model_parallel",),
+    "distributed": ("distributed",),
     "skip_memory_check": ("skip_memory_check",),
 }
 
@@ -429,10 +607,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
 
 def _resume_from_args(args, given: set[str]) -> RunConfig:
     """The saved config of `args.run_dir` with the fields of the `given` flags replaced."""
-    _check(not args.init_from, "--init-from", "cannot be combined with --resume (the run has its weights)")
+    _check(
+        not args.init_from,
+        "--init-from",
+        "cannot be combined with --resume (the run has its weights)",
+    )
     _check(args.run_dir is not None, "--resume", "needs --run-dir DIR, the run to continue")
-    _check(os.path.isfile(os.path.join(args.run_dir, "config.json")), "--resume",
-           f"no run to resume in --run-dir {args.run_dir!r} (no config.json)")
+    _check(
+        os.path.isfile(os.path.join(args.run_dir, "config.json")),
+        "--resume",
+        f"no run to resume in --run-dir {args.run_dir!r} (no config.json)",
+    )
     saved = RunConfig.load(args.run_dir)
     if not given & (set(FLAG_FIELDS) - set(RunConfig.PER_INVOCATION)):
         fresh = None  # nothing to take from the flags but the invocation's own fields
@@ -454,8 +639,11 @@ def _resume_from_args(args, given: set[str]) -> RunConfig:
 def _unflatten(flat: dict) -> dict:
     out: dict = {}
     for path, v in flat.items():
-        *parents, leaf = path.split(".") if not path.startswith("model.overrides.") else (
-            "model", "overrides", path[len("model.overrides."):])
+        *parents, leaf = (
+            path.split(".")
+            if not path.startswith("model.overrides.")
+            else ("model", "overrides", path[len("model.overrides.") :])
+        )
         node = out
         for p in parents:
             node = node.setdefault(p, {})
@@ -470,35 +658,66 @@ def _from_args(args) -> RunConfig:
     defaults = SIZE_DEFAULTS.get(size, SIZE_DEFAULTS["small"])
     given = lambda v, default: v if v is not None else default  # noqa: E731  (0 is a value, not "unset")
     steps = given(args.steps, defaults["steps"])
-    _check(args.head_dim is None or args.head_dim > 0, "--head-dim", f"must be positive, got {args.head_dim}")
+    _check(
+        args.head_dim is None or args.head_dim > 0,
+        "--head-dim",
+        f"must be positive, got {args.head_dim}",
+    )
     tokenizer = args.tokenizer or ("tiktoken" if args.tiktoken else "byte")
-    data = DataConfig(source=args.data, tokenizer=tokenizer, tiktoken_encoding=args.tiktoken,
-                      token_dtype=args.token_dtype, eos_id=args.eos_id, packing=args.packing,
-                      val_fraction=args.val_fraction)
+    data = DataConfig(
+        source=args.data,
+        tokenizer=tokenizer,
+        tiktoken_encoding=args.tiktoken,
+        token_dtype=args.token_dtype,
+        eos_id=args.eos_id,
+        packing=args.packing,
+        val_fraction=args.val_fraction,
+    )
     data.validate()
     from train import data as data_lib  # the tokenizer fixes the vocabulary size
 
     onoff = {"on": True, "off": False, None: None}
     spec = ModelSpec(family, size).with_overrides(
-        attention=args.attention, attention_implementation=args.attention_implementation,
-        qk_norm=onoff[args.qk_norm], rope=onoff[args.rope], head_dim=args.head_dim,
+        attention=args.attention,
+        attention_implementation=args.attention_implementation,
+        qk_norm=onoff[args.qk_norm],
+        rope=onoff[args.rope],
+        head_dim=args.head_dim,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
-        vocab_size=data_lib.vocab_size(data))
+        vocab_size=data_lib.vocab_size(data),
+    )
     opt = OptimizerConfig(
-        name=args.optimizer, learning_rate=given(args.lr, defaults["learning_rate"]),
+        name=args.optimizer,
+        learning_rate=given(args.lr, defaults["learning_rate"]),
         adam_lr_ratio=args.adam_lr_ratio,
         warmup_steps=given(args.warmup, max(1, steps // 10)),
-        weight_decay=args.weight_decay, clip_norm=args.clip_norm)
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+    )
     run_dir = args.run_dir or default_run_dir(args.preset, args.attention)
     cfg = RunConfig(
-        model=spec, data=data, optimizer=opt, run_dir=run_dir, steps=steps,
-        batch_size=given(args.batch_size, defaults["batch_size"]), seq_len=given(args.seq_len, defaults["seq_len"]),
-        seed=args.seed, log_every=args.log_every, eval_every=given(args.eval_every, max(1, steps // 3)),
-        eval_batches=args.eval_batches, probe_every=given(args.probe_every, max(1, steps // 3)),
-        ckpt_every=given(args.ckpt_every, max(1, steps // 3)), keep_checkpoints=args.keep,
-        stop_at=args.stop_at, resume=args.resume, init_from=args.init_from,
-        fresh_optimizer=args.fresh_optimizer, model_parallel=args.model_parallel,
-        distributed=args.distributed, skip_memory_check=args.skip_memory_check)
+        model=spec,
+        data=data,
+        optimizer=opt,
+        run_dir=run_dir,
+        steps=steps,
+        batch_size=given(args.batch_size, defaults["batch_size"]),
+        seq_len=given(args.seq_len, defaults["seq_len"]),
+        seed=args.seed,
+        log_every=args.log_every,
+        eval_every=given(args.eval_every, max(1, steps // 3)),
+        eval_batches=args.eval_batches,
+        probe_every=given(args.probe_every, max(1, steps // 3)),
+        ckpt_every=given(args.ckpt_every, max(1, steps // 3)),
+        keep_checkpoints=args.keep,
+        stop_at=args.stop_at,
+        resume=args.resume,
+        init_from=args.init_from,
+        fresh_optimizer=args.fresh_optimizer,
+        model_parallel=args.model_parallel,
+        distributed=args.distributed,
+        skip_memory_check=args.skip_memory_check,
+    )
     try:
         cfg.model_config  # resolve the preset now: a bad override fails before any compute
     except (TypeError, ValueError, KeyError, ZeroDivisionError) as e:

@@ -47,22 +47,29 @@ class TiktokenTokenizer:
         try:
             import tiktoken
         except ImportError as e:
-            raise ValueError("--tiktoken: the tiktoken package is not installed; install the extra with "
-                             "pip install -e '.[bpe]' (or pip install tiktoken)") from e
+            raise ValueError(
+                "--tiktoken: the tiktoken package is not installed; install the extra with "
+                "pip install -e '.[bpe]' (or pip install tiktoken)"
+            ) from e
         try:
             if os.path.exists(name_or_path):
                 from tiktoken.load import load_tiktoken_bpe
 
                 ranks = load_tiktoken_bpe(name_or_path)
                 self._enc = tiktoken.Encoding(
-                    name=os.path.basename(name_or_path), mergeable_ranks=ranks, special_tokens={},
-                    pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+                    name=os.path.basename(name_or_path),
+                    mergeable_ranks=ranks,
+                    special_tokens={},
+                    pat_str=r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+                )
             else:
                 self._enc = tiktoken.get_encoding(name_or_path)
         except (ValueError, OSError, KeyError) as e:  # unknown name, no network, a bad ranks file
             reason = (str(e).splitlines() or [""])[0][:160]
-            raise ValueError(f"--tiktoken {name_or_path!r}: cannot load the encoding "
-                             f"({type(e).__name__}: {reason})") from e
+            raise ValueError(
+                f"--tiktoken {name_or_path!r}: cannot load the encoding "
+                f"({type(e).__name__}: {reason})"
+            ) from e
         self.eos_id = self._enc.n_vocab
         self.vocab_size = self._enc.n_vocab + 1
 
@@ -143,8 +150,12 @@ def load_splits(data_cfg) -> Splits:
     if _is_token_file(data_cfg.source):
         tokens = _load_token_file(data_cfg)
         top = max(int(tokens.max()) if tokens.size else 0, data_cfg.eos_id or 0)
-        return Splits(*_token_split(tokens, data_cfg.val_fraction), data_cfg.eos_id, top + 1,
-                      f"{len(tokens):,} tokens from {data_cfg.source}")
+        return Splits(
+            *_token_split(tokens, data_cfg.val_fraction),
+            data_cfg.eos_id,
+            top + 1,
+            f"{len(tokens):,} tokens from {data_cfg.source}",
+        )
     tok = make_tokenizer(data_cfg)
     streams = {False: [], True: []}
     root = data_cfg.source if os.path.isdir(data_cfg.source) else os.path.dirname(data_cfg.source)
@@ -156,9 +167,12 @@ def load_splits(data_cfg) -> Splits:
         with open(path, "r", encoding="utf-8", errors="replace") as f:
             text = f.read()
         total_bytes += len(text)
-        key = os.path.relpath(path, root) if data_cfg.source != "builtin" else os.path.basename(path)
+        key = (
+            os.path.relpath(path, root) if data_cfg.source != "builtin" else os.path.basename(path)
+        )
         streams[_is_validation(key, data_cfg.val_fraction)].append(
-            np.append(tok.encode(text), np.int32(tok.eos_id)))
+            np.append(tok.encode(text), np.int32(tok.eos_id))
+        )
     join = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
     train, val = join(streams[False]), join(streams[True])
     split = "by document name"
@@ -166,9 +180,14 @@ def load_splits(data_cfg) -> Splits:
         train, val = _token_split(train, data_cfg.val_fraction)
         split = f"the last {data_cfg.val_fraction:.0%} of the tokens"
     name = "Python standard library" if data_cfg.source == "builtin" else data_cfg.source
-    return Splits(train, val, tok.eos_id, tok.vocab_size,
-                  f"{name}: {len(files)} files, {total_bytes / 1e6:.1f} MB, {data_cfg.tokenizer} tokens, "
-                  f"validation: {split}")
+    return Splits(
+        train,
+        val,
+        tok.eos_id,
+        tok.vocab_size,
+        f"{name}: {len(files)} files, {total_bytes / 1e6:.1f} MB, {data_cfg.tokenizer} tokens, "
+        f"validation: {split}",
+    )
 
 
 def _token_split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -198,16 +217,31 @@ def segments_and_mask(window_BL: np.ndarray, eos_id: Optional[int], packing: str
 class Batches:
     """Batch i of a split as a pure function of (seed, i); windows are shuffled per epoch."""
 
-    def __init__(self, tokens: np.ndarray, *, batch_size: int, seq_len: int, seed: int,
-                 eos_id: Optional[int], packing: str, shuffle: bool = True, name: str = "train"):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        eos_id: Optional[int],
+        packing: str,
+        shuffle: bool = True,
+        name: str = "train",
+    ):
         self.tokens, self.B, self.T = tokens, batch_size, seq_len
         self.seed, self.eos_id, self.packing, self.shuffle = seed, eos_id, packing, shuffle
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < batch_size:
-            hint = ("raise --val-fraction, turn evaluation off (--eval-every 0), " if name == "validation"
-                    else "")
-            raise ValueError(f"--data: the {name} split has {len(tokens):,} tokens, fewer than one batch "
-                             f"of {batch_size} x {seq_len + 1}; {hint}lower --batch-size/--seq-len or add data")
+            hint = (
+                "raise --val-fraction, turn evaluation off (--eval-every 0), "
+                if name == "validation"
+                else ""
+            )
+            raise ValueError(
+                f"--data: the {name} split has {len(tokens):,} tokens, fewer than one batch "
+                f"of {batch_size} x {seq_len + 1}; {hint}lower --batch-size/--seq-len or add data"
+            )
 
     def _window_ids(self, first: int, count: int) -> np.ndarray:
         ids = np.arange(first, first + count)
@@ -224,10 +258,14 @@ class Batches:
         """Batch `index` (this host's `shard` of it when several hosts feed one global batch)."""
         per = self.B // num_shards
         windows = self._window_ids(index * self.B + shard * per, per)
-        window_BL = np.stack([np.asarray(self.tokens[w * self.T: w * self.T + self.T + 1]) for w in windows])
+        window_BL = np.stack(
+            [np.asarray(self.tokens[w * self.T : w * self.T + self.T + 1]) for w in windows]
+        )
         window_BL = window_BL.astype(np.int32)
         segments_BT, mask_BT = segments_and_mask(window_BL, self.eos_id, self.packing)
-        return dict(tokens=window_BL[:, :-1], targets=window_BL[:, 1:], segments=segments_BT, mask=mask_BT)
+        return dict(
+            tokens=window_BL[:, :-1], targets=window_BL[:, 1:], segments=segments_BT, mask=mask_BT
+        )
 
     def iterate(self, start: int = 0, **kw) -> Iterator[dict]:
         i = start
@@ -236,12 +274,17 @@ class Batches:
             i += 1
 
 
-def make_batches(run_config, splits: Splits, *, validation: Optional[bool] = None
-                 ) -> tuple[Batches, Optional[Batches]]:
+def make_batches(
+    run_config, splits: Splits, *, validation: Optional[bool] = None
+) -> tuple[Batches, Optional[Batches]]:
     """(train batches, validation batches) for a RunConfig; validation is unshuffled, and None
     when not wanted (default: when evaluation is off, `eval_every == 0`)."""
-    common = dict(batch_size=run_config.batch_size, seq_len=run_config.seq_len,
-                  eos_id=splits.eos_id, packing=run_config.data.packing)
+    common = dict(
+        batch_size=run_config.batch_size,
+        seq_len=run_config.seq_len,
+        eos_id=splits.eos_id,
+        packing=run_config.data.packing,
+    )
     train = Batches(splits.train, seed=run_config.seed, name="train", **common)
     if not (bool(run_config.eval_every) if validation is None else validation):
         return train, None

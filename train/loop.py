@@ -60,7 +60,8 @@ def _masked_ce_sums(graphdef, rest, params, batch):
 def _grad_sums(graphdef, rest, params, batch):
     """(CE sum, target count, gradient of the CE sum) for one shard."""
     (ce_sum, count), grads = jax.value_and_grad(
-        lambda p: _masked_ce_sums(graphdef, rest, p, batch), has_aux=True)(params)
+        lambda p: _masked_ce_sums(graphdef, rest, p, batch), has_aux=True
+    )(params)
     return ce_sum, count, grads
 
 
@@ -110,14 +111,18 @@ def _check_run_dir(cfg) -> Optional[config_lib.RunConfig]:
         saved = config_lib.RunConfig.load(run_dir)
         config_lib.check_compatible(saved, cfg)
         if not cfg.resume:
-            raise ValueError(f"--run-dir {run_dir!r} already holds a run; pass --resume to continue "
-                             "it or choose a new --run-dir")
+            raise ValueError(
+                f"--run-dir {run_dir!r} already holds a run; pass --resume to continue "
+                "it or choose a new --run-dir"
+            )
         _check_writable(run_dir, run_dir)
         return saved
     if cfg.resume:
         raise ValueError(f"--resume: no run to resume in --run-dir {run_dir!r}")
     if os.path.isdir(run_dir) and os.listdir(run_dir):
-        raise ValueError(f"--run-dir {run_dir!r} exists and is not a run directory; choose a new one")
+        raise ValueError(
+            f"--run-dir {run_dir!r} exists and is not a run directory; choose a new one"
+        )
     parent = os.path.abspath(run_dir)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -147,7 +152,9 @@ def _save_config(cfg, model) -> None:
     try:
         cfg.save(cfg.run_dir, getattr(model, "config", None))
     except OSError as e:
-        raise ValueError(f"--run-dir {cfg.run_dir!r}: cannot write config.json ({e.strerror or e})") from e
+        raise ValueError(
+            f"--run-dir {cfg.run_dir!r}: cannot write config.json ({e.strerror or e})"
+        ) from e
 
 
 class _StopSignals:
@@ -205,8 +212,10 @@ class _StopSignals:
         if self.count == 1:
             if self.received is None:
                 self.received = int(sig)
-            _say(f"{sig.name}: stopping after the current step, with a checkpoint "
-                 f"(send it again to stop at once)")
+            _say(
+                f"{sig.name}: stopping after the current step, with a checkpoint "
+                f"(send it again to stop at once)"
+            )
             return
         _say(f"{sig.name} again: stopping now. {self._resume_hint()}")
         os._exit(128 + int(sig))
@@ -246,12 +255,24 @@ def _probe_metrics(hooks, model, cfg, batch) -> dict:
         return {}
     n = min(2, batch["tokens"].shape[0])
     segments = batch["segments"][:n] if cfg.data.packing == "segments" else None
-    probes = hooks.attention_probe(model, batch["tokens"][:n], batch["targets"][:n], segment_ids=segments)
+    probes = hooks.attention_probe(
+        model, batch["tokens"][:n], batch["targets"][:n], segment_ids=segments
+    )
     delta = ARMS[cfg.attention].probe_delta
     impl = dict(cfg.model.overrides).get("attention_implementation")
-    residuals = {layer: hooks.row_sum_residuals(p["q"], p["k"], p["v"], p["do"], causal=True, delta=delta,
-                                                segment_ids=segments, implementation=impl)
-                 for layer, p in probes.items()}
+    residuals = {
+        layer: hooks.row_sum_residuals(
+            p["q"],
+            p["k"],
+            p["v"],
+            p["do"],
+            causal=True,
+            delta=delta,
+            segment_ids=segments,
+            implementation=impl,
+        )
+        for layer, p in probes.items()
+    }
     return metrics_lib.residual_rows(residuals)
 
 
@@ -275,7 +296,9 @@ def _restore_for_resume(cfg, checkpointer, templates, console):
     step, trees, _ = found
     for bad_step, reason in damaged:
         target = checkpointer.set_aside(bad_step, os.path.join(cfg.run_dir, "damaged_checkpoints"))
-        _say(f"warning: {reason}\n  moved it unchanged to {target}; resuming from the checkpoint at step {step}")
+        _say(
+            f"warning: {reason}\n  moved it unchanged to {target}; resuming from the checkpoint at step {step}"
+        )
     console.note(f"resumed from step {step}")
     return step, trees
 
@@ -285,8 +308,10 @@ def _extend(cfg, saved, step: int):
     extensions = tuple(saved.extensions)
     if cfg.steps != saved.steps:
         if step >= cfg.steps:
-            raise ValueError(f"--steps {cfg.steps}: the run is already at step {step}; give a larger "
-                             "--steps to extend it")
+            raise ValueError(
+                f"--steps {cfg.steps}: the run is already at step {step}; give a larger "
+                "--steps to extend it"
+            )
         extensions += ((step, saved.steps),)
     if cfg.stop_at is not None and cfg.stop_at <= step:
         raise ValueError(f"--stop-at {cfg.stop_at}: the run is already at step {step}")
@@ -302,8 +327,12 @@ def _resume_hint(cfg) -> str:
     return f"The run resumes from its checkpoint at step {steps[-1]}: {cmd}"
 
 
-def train(run_config: config_lib.RunConfig, *, progress: bool = True,
-          hooks: Optional[model_lib.ModelHooks] = None) -> TrainResult:
+def train(
+    run_config: config_lib.RunConfig,
+    *,
+    progress: bool = True,
+    hooks: Optional[model_lib.ModelHooks] = None,
+) -> TrainResult:
     """Trains (or resumes) the run described by `run_config`; writes config.json, metrics.jsonl,
     tensorboard/ and checkpoints/ under `run_config.run_dir`.
 
@@ -324,41 +353,70 @@ def train(run_config: config_lib.RunConfig, *, progress: bool = True,
     model, graphdef, params, rest = _model_state(cfg, hooks)
     model_vocab = getattr(getattr(model, "config", None), "vocab_size", splits.vocab_size)
     if model_vocab < splits.vocab_size:
-        raise ValueError(f"--data: token ids reach {splits.vocab_size - 1} but the model vocabulary "
-                         f"is {model_vocab}")
+        raise ValueError(
+            f"--data: token ids reach {splits.vocab_size - 1} but the model vocabulary "
+            f"is {model_vocab}"
+        )
     hidden = optim.hidden_matrix_mask(model, params, model_vocab)
-    opt_state = cfg.optimizer.build(cfg.steps, hidden).init(params)  # the schedule does not shape it
+    opt_state = cfg.optimizer.build(cfg.steps, hidden).init(
+        params
+    )  # the schedule does not shape it
     created = _create_run_dir(cfg)
     try:
-        checkpointer = ckpt_lib.Checkpointer(os.path.join(cfg.run_dir, "checkpoints"), cfg.keep_checkpoints)
+        checkpointer = ckpt_lib.Checkpointer(
+            os.path.join(cfg.run_dir, "checkpoints"), cfg.keep_checkpoints
+        )
         step, trees = 0, None
         if cfg.resume:
-            step, trees = _restore_for_resume(cfg, checkpointer, {"params": params, "opt_state": opt_state},
-                                              console)
+            step, trees = _restore_for_resume(
+                cfg, checkpointer, {"params": params, "opt_state": opt_state}, console
+            )
             cfg = _extend(cfg, saved, step) if saved is not None else cfg
         if trees is not None:
             params, opt_state = trees["params"], trees["opt_state"]
         elif cfg.init_from:
-            templates = {"params": params} if cfg.fresh_optimizer else {"params": params, "opt_state": opt_state}
+            templates = (
+                {"params": params}
+                if cfg.fresh_optimizer
+                else {"params": params, "opt_state": opt_state}
+            )
             trees, meta = _restore_read_only(cfg.init_from, templates)
             params, opt_state = trees["params"], trees.get("opt_state", opt_state)
             console.note(f"initialized from {cfg.init_from} (step {meta['step']})")
         _save_config(cfg, model)
         tx = cfg.optimizer.build(cfg.steps, hidden, cfg.extensions)
-        return _run(cfg, hooks, console, mesh, checkpointer, dict(model=model, graphdef=graphdef, rest=rest),
-                    tx, params, opt_state, step, (train_batches, val_batches, splits))
+        return _run(
+            cfg,
+            hooks,
+            console,
+            mesh,
+            checkpointer,
+            dict(model=model, graphdef=graphdef, rest=rest),
+            tx,
+            params,
+            opt_state,
+            step,
+            (train_batches, val_batches, splits),
+        )
     except BaseException:
         if created and not _has_progress(cfg.run_dir):
-            shutil.rmtree(cfg.run_dir, ignore_errors=True)  # a run that never took a step: no litter
+            shutil.rmtree(
+                cfg.run_dir, ignore_errors=True
+            )  # a run that never took a step: no litter
         raise
 
 
 def _has_progress(run_dir: str) -> bool:
     """Whether a run dir holds a logged step or a checkpoint."""
-    return bool(metrics_lib.read_metrics(run_dir) or ckpt_lib.complete_steps(os.path.join(run_dir, "checkpoints")))
+    return bool(
+        metrics_lib.read_metrics(run_dir)
+        or ckpt_lib.complete_steps(os.path.join(run_dir, "checkpoints"))
+    )
 
 
-def _run(cfg, hooks, console, mesh, checkpointer, parts, tx, params, opt_state, step, data) -> TrainResult:
+def _run(
+    cfg, hooks, console, mesh, checkpointer, parts, tx, params, opt_state, step, data
+) -> TrainResult:
     """The training loop proper, from `step` to the run's last step. `parts`: the model, its
     graphdef and non-parameter state; `data`: (train batches, validation batches, splits)."""
     model, graphdef, rest = parts["model"], parts["graphdef"], parts["rest"]
@@ -374,21 +432,31 @@ def _run(cfg, hooks, console, mesh, checkpointer, parts, tx, params, opt_state, 
         checkpointer.close()
         log.close()
         console.note(f"the run is complete at step {step}; give a larger --steps to extend it")
-        return TrainResult(cfg.run_dir, step, log.last or (metrics_lib.read_metrics(cfg.run_dir) or [{}])[-1],
-                           "done", step)
+        return TrainResult(
+            cfg.run_dir,
+            step,
+            log.last or (metrics_lib.read_metrics(cfg.run_dir) or [{}])[-1],
+            "done",
+            step,
+        )
     console.start(cfg, splits, hooks_model=model, first_step=step, last_step=last_stop)
 
     def save(at_step):
-        checkpointer.save(at_step, {"params": params, "opt_state": opt_state},
-                          {"step": at_step, "data_position": at_step, "seed": cfg.seed})
+        checkpointer.save(
+            at_step,
+            {"params": params, "opt_state": opt_state},
+            {"step": at_step, "data_position": at_step, "seed": cfg.seed},
+        )
         return at_step
 
     def check(pending_step, stats):
         loss = float(stats["loss"])
         if not np.isfinite(loss):
             good = ckpt_lib.complete_steps(checkpointer.directory)
-            raise NonFiniteLoss(f"loss is {loss} at step {pending_step}; stopping. The last good "
-                                f"checkpoint (step {good[-1] if good else None}) is kept in {cfg.run_dir}")
+            raise NonFiniteLoss(
+                f"loss is {loss} at step {pending_step}; stopping. The last good "
+                f"checkpoint (step {good[-1] if good else None}) is kept in {cfg.run_dir}"
+            )
         return loss
 
     t_last, step_last = time.perf_counter(), step
@@ -397,20 +465,33 @@ def _run(cfg, hooks, console, mesh, checkpointer, parts, tx, params, opt_state, 
         with _StopSignals(functools.partial(_resume_hint, cfg)) as signals:
             while step < last_stop:
                 batch_np = train_batches.batch(step, **shard)
-                params, opt_state, stats = train_step(params, opt_state, parallel.put_batch(batch_np, mesh))
+                params, opt_state, stats = train_step(
+                    params, opt_state, parallel.put_batch(batch_np, mesh)
+                )
                 if pending is not None:
                     check(*pending)
                 step += 1
                 pending = (step, stats)
-                evaluate = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or step == last_stop)
+                evaluate = bool(cfg.eval_every) and (
+                    step % cfg.eval_every == 0 or step == last_stop
+                )
                 probe = bool(cfg.probe_every) and step % cfg.probe_every == 0
                 row = None
-                if evaluate or probe or (cfg.log_every and (step % cfg.log_every == 0 or step == last_stop)):
+                if (
+                    evaluate
+                    or probe
+                    or (cfg.log_every and (step % cfg.log_every == 0 or step == last_stop))
+                ):
                     loss = check(*pending)
                     now = time.perf_counter()
                     lr = optim.learning_rate(cfg.optimizer, cfg.steps, step - 1, cfg.extensions)
-                    row = dict(step=step, loss=loss, lr=float(lr), grad_norm=float(stats["grad_norm"]),
-                               tokens_per_s=tokens_per_step * (step - step_last) / (now - t_last))
+                    row = dict(
+                        step=step,
+                        loss=loss,
+                        lr=float(lr),
+                        grad_norm=float(stats["grad_norm"]),
+                        tokens_per_s=tokens_per_step * (step - step_last) / (now - t_last),
+                    )
                     nnx.update(model, params)
                     row.update(_gain_metrics(hooks, model))
                     if probe:
@@ -463,7 +544,9 @@ def _restore_read_only(path: str, templates: dict, step: Optional[int] = None) -
     return found[1], found[2]
 
 
-def load_model(path: str, *, hooks: Optional[model_lib.ModelHooks] = None, step: Optional[int] = None):
+def load_model(
+    path: str, *, hooks: Optional[model_lib.ModelHooks] = None, step: Optional[int] = None
+):
     """A trained model from a run dir (latest readable checkpoint) or a checkpoint step dir.
 
     Returns (model, run_config); the model holds the checkpoint's parameters."""

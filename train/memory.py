@@ -46,7 +46,9 @@ RUNTIME_BYTES = 1.0e9
 KIND_BYTES = {"gdn": 16.0, "mamba2": 22.0, "kda": 28.0, "attn": 2.0, "mla": 2.0}
 GENERIC_BYTES = 16.0
 ATTENTION_PAIR_BYTES = 4.66  # the pure-JAX emulation of the FP8 kernels
-REFERENCE_ARM_PAIR_BYTES = 20.0  # the `reference` arm's f32 XLA attention holds whole score matrices
+REFERENCE_ARM_PAIR_BYTES = (
+    20.0  # the `reference` arm's f32 XLA attention holds whole score matrices
+)
 LOGIT_BYTES = 12.0
 
 
@@ -67,8 +69,10 @@ class Estimate:
         return self.state + self.activations + self.runtime
 
     def describe(self) -> str:
-        return (f"about {size(self.total)} (model and optimizer state {size(self.state)}, "
-                f"activations {size(self.activations)}, runtime {size(self.runtime)})")
+        return (
+            f"about {size(self.total)} (model and optimizer state {size(self.state)}, "
+            f"activations {size(self.activations)}, runtime {size(self.runtime)})"
+        )
 
 
 def size(n_bytes: float) -> str:
@@ -117,7 +121,13 @@ def estimate(cfg, build: Callable, n_devices: int = 1, *, gpu: bool = False) -> 
     p_bytes, o_bytes = _nbytes(params), _nbytes(jax.eval_shape(tx.init, params))
     impl = dict(cfg.model.overrides).get("attention_implementation")
     kernels = impl in ("pallas", "triton", "mosaic") or (impl is None and gpu)
-    pair = REFERENCE_ARM_PAIR_BYTES if cfg.attention == "reference" else 0.0 if kernels else ATTENTION_PAIR_BYTES
+    pair = (
+        REFERENCE_ARM_PAIR_BYTES
+        if cfg.attention == "reference"
+        else 0.0
+        if kernels
+        else ATTENTION_PAIR_BYTES
+    )
     tokens = cfg.batch_size * cfg.seq_len
     activations = tokens * per_token_bytes(model, cfg.seq_len, pair_bytes=pair)
     state = 2 * (p_bytes + o_bytes) + p_bytes
@@ -132,7 +142,9 @@ def available_bytes() -> tuple[Optional[float], str]:
     if device.platform == "gpu":
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
-            return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0)), f"free on {device.device_kind}"
+            return float(
+                stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            ), f"free on {device.device_kind}"
         return None, "unknown"
     candidates = []
     meminfo = _meminfo()
@@ -147,16 +159,22 @@ def available_bytes() -> tuple[Optional[float], str]:
 def _meminfo() -> dict:
     try:
         with open("/proc/meminfo") as f:
-            return {line.split(":")[0]: float(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+            return {
+                line.split(":")[0]: float(line.split()[1]) * 1024 for line in f if line.split()[1:]
+            }
     except (OSError, ValueError, IndexError):
         return {}
 
 
 def _cgroup_room() -> Optional[float]:
     """Bytes left under a cgroup memory limit (v2, then v1), None without a limit."""
-    for limit_path, used_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                   "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_path, used_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ):
         try:
             with open(limit_path) as f:
                 text = f.read().strip()
@@ -182,4 +200,5 @@ def check(cfg, build: Callable, mesh=None) -> str:
     raise InsufficientMemory(
         f"--batch-size {cfg.batch_size} --seq-len {cfg.seq_len}: the run needs {need.describe()} "
         f"but only {size(have)} is {where}; lower --batch-size or --seq-len (activations grow "
-        f"with both), or pass --skip-memory-check to start anyway")
+        f"with both), or pass --skip-memory-check to start anyway"
+    )

@@ -28,7 +28,11 @@ class TensorBoardWriter:
 
     def scalars(self, step: int, values: dict, wall_time: Optional[float] = None) -> None:
         for k, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
+            if (
+                isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and k not in ("step", "time")
+            ):
                 self._writer.add_scalar(k, float(v), int(step), wall_time=wall_time)
         self._writer.flush()
 
@@ -43,7 +47,9 @@ class MetricsLog:
     the rows logged after the checkpoint, which the resumed run logs again, and rewrites the
     TensorBoard events from the rows kept, so no step shows twice."""
 
-    def __init__(self, run_dir: str, *, tensorboard: bool = True, truncate_after: Optional[int] = None):
+    def __init__(
+        self, run_dir: str, *, tensorboard: bool = True, truncate_after: Optional[int] = None
+    ):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         tb_dir = os.path.join(run_dir, "tensorboard")
         kept = None

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from flax import nnx
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelHooks:
     """build(run_config) -> nnx.Module with `model(tokens_BT, *, segment_ids=None) -> logits_BTV`;
@@ -39,7 +40,10 @@ def build_hybrid(run_config) -> nnx.Module:
 def default_hooks() -> ModelHooks:
     from dm_jax import diagnostics, models
 
-    return ModelHooks(build=build_hybrid, qk_gains=getattr(models, "qk_gains", None),
-                      attention_probe=getattr(models, "attention_probe", None),
-                      gain_statistics=getattr(diagnostics, "gain_statistics", None),
-                      row_sum_residuals=getattr(diagnostics, "row_sum_residuals", None))
+    return ModelHooks(
+        build=build_hybrid,
+        qk_gains=getattr(models, "qk_gains", None),
+        attention_probe=getattr(models, "attention_probe", None),
+        gain_statistics=getattr(diagnostics, "gain_statistics", None),
+        row_sum_residuals=getattr(diagnostics, "row_sum_residuals", None),
+    )

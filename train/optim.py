@@ -33,8 +33,12 @@ def hidden_matrix_mask(model: nnx.Module, params: nnx.State, vocab_size: int):
         if path and path[-1] == "value":
             path = path[:-1]
         owner = nodes.get(path[:-1])
-        return bool(x.ndim == 2 and not isinstance(owner, _NOT_MATRIX_MODULES)
-                    and vocab_size not in x.shape and min(x.shape) >= _MIN_MATRIX_DIM)
+        return bool(
+            x.ndim == 2
+            and not isinstance(owner, _NOT_MATRIX_MODULES)
+            and vocab_size not in x.shape
+            and min(x.shape) >= _MIN_MATRIX_DIM
+        )
 
     return jax.tree_util.tree_map_with_path(is_hidden, params)
 
@@ -61,19 +65,39 @@ def schedule(cfg, total_steps: int, peak: float, extensions=()) -> optax.Schedul
         else:
             segments.append((at, new_total))
     warmup = min(cfg.warmup_steps, max(base_total - 1, 0))
-    fns = [optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=peak, warmup_steps=warmup,
-        decay_steps=max(base_total, warmup + 1), end_value=end)]
+    fns = [
+        optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=peak,
+            warmup_steps=warmup,
+            decay_steps=max(base_total, warmup + 1),
+            end_value=end,
+        )
+    ]
     for at, new_total in segments:
-        joined = optax.join_schedules(fns, [a for a, _ in segments[:len(fns) - 1]]) if len(fns) > 1 else fns[0]
+        joined = (
+            optax.join_schedules(fns, [a for a, _ in segments[: len(fns) - 1]])
+            if len(fns) > 1
+            else fns[0]
+        )
         start = float(joined(at))
-        fns.append(optax.cosine_decay_schedule(start, max(new_total - at, 1), alpha=end / start if start else 1.0))
+        fns.append(
+            optax.cosine_decay_schedule(
+                start, max(new_total - at, 1), alpha=end / start if start else 1.0
+            )
+        )
     return fns[0] if len(fns) == 1 else optax.join_schedules(fns, [at for at, _ in segments])
+
+
 def _adamw(cfg, lr, mask_fn=decay_mask):
-    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask_fn)
+    return optax.adamw(
+        lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask_fn
+    )
 
 
-def build_optimizer(cfg, total_steps: int, hidden_mask, extensions=()) -> optax.GradientTransformation:
+def build_optimizer(
+    cfg, total_steps: int, hidden_mask, extensions=()
+) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW or Muon+AdamW, on a warmup-cosine schedule.
 
     `hidden_mask` is the bool tree from `hidden_matrix_mask` (ignored for AdamW);
@@ -84,8 +108,9 @@ def build_optimizer(cfg, total_steps: int, hidden_mask, extensions=()) -> optax.
         inner = _adamw(cfg, lr)
     else:
         adam_lr = schedule(cfg, total_steps, cfg.learning_rate * cfg.adam_lr_ratio, extensions)
-        muon = optax.contrib.muon(lr, beta=cfg.b1 if cfg.b1 > 0.9 else 0.95,
-                                  weight_decay=cfg.weight_decay)
+        muon = optax.contrib.muon(
+            lr, beta=cfg.b1 if cfg.b1 > 0.9 else 0.95, weight_decay=cfg.weight_decay
+        )
         labels = jax.tree.map(lambda hidden: "muon" if hidden else "adamw", hidden_mask)
         inner = optax.multi_transform({"muon": muon, "adamw": _adamw(cfg, adam_lr)}, labels)
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner)

@@ -27,7 +27,9 @@ def initialize_distributed() -> None:
 def make_mesh(model_parallel: int = 1) -> Mesh:
     devices = np.asarray(jax.devices())
     if devices.size % model_parallel:
-        raise ValueError(f"--model-parallel {model_parallel}: does not divide the {devices.size} devices")
+        raise ValueError(
+            f"--model-parallel {model_parallel}: does not divide the {devices.size} devices"
+        )
     return Mesh(devices.reshape(-1, model_parallel), (DATA, MODEL))
 
 
@@ -38,7 +40,9 @@ def data_size(mesh: Mesh) -> int:
 def check_batch(batch_size: int, mesh: Mesh) -> None:
     n = data_size(mesh)
     if batch_size % n:
-        raise ValueError(f"--batch-size {batch_size}: must be divisible by the {n} data-parallel devices")
+        raise ValueError(
+            f"--batch-size {batch_size}: must be divisible by the {n} data-parallel devices"
+        )
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -72,16 +72,22 @@ def plot_runs(run_dirs, out_dir=None) -> list[str]:
         raise ValueError(f"RUN_DIR: no metrics.jsonl rows in {empty}")
     out_dir = out_dir or os.path.join(run_dirs[0], "plots")
     os.makedirs(out_dir, exist_ok=True)
-    return [plot_loss(runs, out_dir),
-            plot_layers(runs, out_dir, ("max_gain",), "max_gain.png", "max QK gain per layer"),
-            plot_layers(runs, out_dir, ("top1_share", "top4_share"), "top_share.png", "top-channel share"),
-            plot_layers(runs, out_dir, ("residual_post",), "residual.png", "dS row-sum residual")]
+    return [
+        plot_loss(runs, out_dir),
+        plot_layers(runs, out_dir, ("max_gain",), "max_gain.png", "max QK gain per layer"),
+        plot_layers(
+            runs, out_dir, ("top1_share", "top4_share"), "top_share.png", "top-channel share"
+        ),
+        plot_layers(runs, out_dir, ("residual_post",), "residual.png", "dS row-sum residual"),
+    ]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__.splitlines()[0])
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots of the first run)")
+    p.add_argument(
+        "--out", default=None, help="output directory (default: RUN_DIR/plots of the first run)"
+    )
     args = p.parse_args(argv)
     try:
         paths = plot_runs(args.run_dirs, args.out)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import jax
 from rich.console import Console as RichConsole
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from dm_jax.backends import default_implementation
@@ -36,16 +43,24 @@ class Console:
         self.console.print(
             f"[bold]{cfg.model.name}[/bold] ({_count_params(hooks_model) / 1e6:.2f}M params), "
             f"attention [bold]{cfg.attention}[/bold] ({impl}), {cfg.optimizer.name}, "
-            f"batch {cfg.batch_size} x {cfg.seq_len}, {jax.device_count()} {jax.default_backend()} device(s)")
+            f"batch {cfg.batch_size} x {cfg.seq_len}, {jax.device_count()} {jax.default_backend()} device(s)"
+        )
         self.console.print(f"data: {splits.description}")
         self.console.print(f"run dir: {cfg.run_dir}")
         self._progress = Progress(
-            TextColumn("[bold blue]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-            console=self.console, transient=False)
+            TextColumn("[bold blue]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
         self._progress.start()
-        self._task = self._progress.add_task("train", total=last_step, completed=first_step,
-                                             info="compiling...")
+        self._task = self._progress.add_task(
+            "train", total=last_step, completed=first_step, info="compiling..."
+        )
 
     def advance(self, step: int) -> None:
         if self._progress is not None:
@@ -69,10 +84,15 @@ class Console:
     def summary(self, result, cfg) -> None:
         if not self.enabled:
             return
-        table = Table(title=f"run {result.status} at step {result.step}/{cfg.steps}", show_header=False)
+        table = Table(
+            title=f"run {result.status} at step {result.step}/{cfg.steps}", show_header=False
+        )
         m = result.metrics
-        for key, label, fmt in (("loss", "train loss", "{:.4f}"), ("val_ce", "validation CE", "{:.4f}"),
-                                ("grad_norm", "grad norm", "{:.3f}")):
+        for key, label, fmt in (
+            ("loss", "train loss", "{:.4f}"),
+            ("val_ce", "validation CE", "{:.4f}"),
+            ("grad_norm", "grad norm", "{:.3f}"),
+        ):
             if isinstance(m.get(key), (int, float)):
                 table.add_row(label, fmt.format(m[key]))
         table.add_row("tokens/s", f"{result.tokens_per_s:,.0f} (mean, after compilation)")

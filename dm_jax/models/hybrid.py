@@ -20,146 +20,188 @@ from dm_jax.nn.mlp import SwiGLU
 
 
 def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
-  d = cfg.d_model
-  linear = dict(num_heads=cfg.linear_num_heads, key_dim=cfg.linear_key_dim,
-                value_dim=cfg.linear_value_dim, conv_width=cfg.conv_width,
-                impl=cfg.mixer_impl, chunk_size=cfg.chunk_size, dtype=dtype, rngs=rngs)
-  attn = dict(qk_norm=cfg.qk_norm, rope=cfg.rope, rope_theta=cfg.rope_theta,
-              arm=cfg.attention, implementation=cfg.attention_implementation,
-              core_precision=cfg.attn_core_precision, proj_fp8=cfg.attn_proj_fp8,
-              dtype=dtype, rngs=rngs)
-  builders = {
-      "gdn": lambda: GatedDeltaNet(d, **linear),
-      "kda": lambda: KimiDeltaAttention(d, **dict(linear, chunk_size=cfg.kda_chunk_size)),
-      "mamba2": lambda: Mamba2(d, head_dim=cfg.mamba_head_dim, state_dim=cfg.mamba_state_dim,
-                               expand=cfg.mamba_expand, conv_width=cfg.conv_width,
-                               impl=cfg.mixer_impl, chunk_size=cfg.chunk_size, dtype=dtype,
-                               rngs=rngs),
-      "attn": lambda: GQAttention(d, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                  head_dim=cfg.head_dim, **attn),
-      "mla": lambda: MLAttention(d, num_heads=cfg.num_heads,
-                                 kv_lora_rank=cfg.mla_kv_lora_rank,
-                                 q_lora_rank=cfg.mla_q_lora_rank, nope_dim=cfg.mla_nope_dim,
-                                 rope_dim=cfg.mla_rope_dim, v_dim=cfg.mla_v_dim, **attn),
-  }
-  return builders[kind]()
+    d = cfg.d_model
+    linear = dict(
+        num_heads=cfg.linear_num_heads,
+        key_dim=cfg.linear_key_dim,
+        value_dim=cfg.linear_value_dim,
+        conv_width=cfg.conv_width,
+        impl=cfg.mixer_impl,
+        chunk_size=cfg.chunk_size,
+        dtype=dtype,
+        rngs=rngs,
+    )
+    attn = dict(
+        qk_norm=cfg.qk_norm,
+        rope=cfg.rope,
+        rope_theta=cfg.rope_theta,
+        arm=cfg.attention,
+        implementation=cfg.attention_implementation,
+        core_precision=cfg.attn_core_precision,
+        proj_fp8=cfg.attn_proj_fp8,
+        dtype=dtype,
+        rngs=rngs,
+    )
+    builders = {
+        "gdn": lambda: GatedDeltaNet(d, **linear),
+        "kda": lambda: KimiDeltaAttention(d, **dict(linear, chunk_size=cfg.kda_chunk_size)),
+        "mamba2": lambda: Mamba2(
+            d,
+            head_dim=cfg.mamba_head_dim,
+            state_dim=cfg.mamba_state_dim,
+            expand=cfg.mamba_expand,
+            conv_width=cfg.conv_width,
+            impl=cfg.mixer_impl,
+            chunk_size=cfg.chunk_size,
+            dtype=dtype,
+            rngs=rngs,
+        ),
+        "attn": lambda: GQAttention(
+            d, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, **attn
+        ),
+        "mla": lambda: MLAttention(
+            d,
+            num_heads=cfg.num_heads,
+            kv_lora_rank=cfg.mla_kv_lora_rank,
+            q_lora_rank=cfg.mla_q_lora_rank,
+            nope_dim=cfg.mla_nope_dim,
+            rope_dim=cfg.mla_rope_dim,
+            v_dim=cfg.mla_v_dim,
+            **attn,
+        ),
+    }
+    return builders[kind]()
 
 
 class Block(nnx.Module):
-  """Pre-norm residual block: x += mixer(norm(x)); x += SwiGLU(norm(x))."""
+    """Pre-norm residual block: x += mixer(norm(x)); x += SwiGLU(norm(x))."""
 
-  def __init__(self, kind: str, cfg: HybridConfig, *, rngs: nnx.Rngs):
-    dtype = jnp.dtype(cfg.compute_dtype)
-    self.kind = kind
-    self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    self.mixer = _make_mixer(kind, cfg, dtype, rngs)
-    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-    self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, fp8=cfg.ffn == "fp8", dtype=dtype,
-                      rngs=rngs)
+    def __init__(self, kind: str, cfg: HybridConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.compute_dtype)
+        self.kind = kind
+        self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mixer = _make_mixer(kind, cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, fp8=cfg.ffn == "fp8", dtype=dtype, rngs=rngs)
 
-  def __call__(self, x_BTD, *, segment_ids=None, ablate=False, probe=None, capture=None):
-    if not ablate:
-      h = self.mixer_norm(x_BTD)
-      if self.kind in ("attn", "mla"):
-        h = self.mixer(h, segment_ids=segment_ids, probe=probe, capture=capture)
-      else:
-        h = self.mixer(h, segment_ids=segment_ids)
-      x_BTD = x_BTD + h.astype(x_BTD.dtype)
-    return x_BTD + self.mlp(self.mlp_norm(x_BTD)).astype(x_BTD.dtype)
+    def __call__(self, x_BTD, *, segment_ids=None, ablate=False, probe=None, capture=None):
+        if not ablate:
+            h = self.mixer_norm(x_BTD)
+            if self.kind in ("attn", "mla"):
+                h = self.mixer(h, segment_ids=segment_ids, probe=probe, capture=capture)
+            else:
+                h = self.mixer(h, segment_ids=segment_ids)
+            x_BTD = x_BTD + h.astype(x_BTD.dtype)
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)).astype(x_BTD.dtype)
 
 
 class HybridLM(nnx.Module):
-  """Causal LM: tokens_BT (int) -> logits_BTV (float32).
+    """Causal LM: tokens_BT (int) -> logits_BTV (float32).
 
-  `HybridLM(config, rngs=nnx.Rngs(0))`; see `HybridConfig` for the layer kinds.
-  """
-
-  def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs):
-    if not isinstance(config, HybridConfig):
-      raise ValueError(f"config: expected a HybridConfig, got {type(config).__name__}")
-    self.config = config
-    d, V = config.d_model, config.vocab_size
-    self.dtype = jnp.dtype(config.compute_dtype)
-    self.embed = nnx.Embed(V, d, embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
-    self.layers = nnx.List([Block(kind, config, rngs=rngs) for kind in config.pattern])
-    self.final_norm = RMSNorm(d, eps=config.norm_eps)
-    self.head = None if config.tie_embeddings else Linear(d, V, dtype=self.dtype, rngs=rngs)
-
-  def __call__(self, tokens_BT: jax.Array, *, segment_ids: jax.Array | None = None,
-               ablate_attention_layers=(), core_probes=None, capture=None) -> jax.Array:
-    """Returns float32 logits [B, T, vocab_size].
-
-    segment_ids: int [B, T] document ids of packed sequences: attention stays within a
-      document, RoPE positions restart at each document, recurrent states, and short
-      convolutions reset at document starts.
-    ablate_attention_layers: layer indices whose mixer output is replaced by zeros.
-    core_probes / capture: used by `attention_probe` ({layer: probe_BTHV} added to the
-      attention-core output; {layer: {}} filled with the core's q, k, v).
+    `HybridLM(config, rngs=nnx.Rngs(0))`; see `HybridConfig` for the layer kinds.
     """
-    if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
-      raise ValueError(f"tokens_BT: expected int [B, T], got {tokens_BT.dtype} "
-                       f"{tokens_BT.shape}")
-    if segment_ids is not None and segment_ids.shape != tokens_BT.shape:
-      raise ValueError(f"segment_ids: expected {tokens_BT.shape}, got {segment_ids.shape}")
-    bad = set(ablate_attention_layers) - set(self.config.attention_layer_indices)
-    if bad:
-      raise ValueError(f"ablate_attention_layers: {sorted(bad)} are not attention layers "
-                       f"{self.config.attention_layer_indices}")
-    core_probes, capture = core_probes or {}, capture or {}
-    x = self.embed(tokens_BT).astype(self.dtype)  # gathered in FP32, then cast
-    for i, layer in enumerate(self.layers):
-      x = layer(x, segment_ids=segment_ids, ablate=i in ablate_attention_layers,
-                probe=core_probes.get(i), capture=capture.get(i))
-    x = self.final_norm(x)
-    if self.head is None:
-      emb = self.embed.embedding.get_value().astype(self.dtype)
-      logits = jnp.einsum("btd,vd->btv", x, emb, preferred_element_type=jnp.float32)
-    else:
-      logits = self.head(x)
-    return logits.astype(jnp.float32)
+
+    def __init__(self, config: HybridConfig, *, rngs: nnx.Rngs):
+        if not isinstance(config, HybridConfig):
+            raise ValueError(f"config: expected a HybridConfig, got {type(config).__name__}")
+        self.config = config
+        d, V = config.d_model, config.vocab_size
+        self.dtype = jnp.dtype(config.compute_dtype)
+        self.embed = nnx.Embed(V, d, embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
+        self.layers = nnx.List([Block(kind, config, rngs=rngs) for kind in config.pattern])
+        self.final_norm = RMSNorm(d, eps=config.norm_eps)
+        self.head = None if config.tie_embeddings else Linear(d, V, dtype=self.dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        ablate_attention_layers=(),
+        core_probes=None,
+        capture=None,
+    ) -> jax.Array:
+        """Returns float32 logits [B, T, vocab_size].
+
+        segment_ids: int [B, T] document ids of packed sequences: attention stays within a
+          document, RoPE positions restart at each document, recurrent states, and short
+          convolutions reset at document starts.
+        ablate_attention_layers: layer indices whose mixer output is replaced by zeros.
+        core_probes / capture: used by `attention_probe` ({layer: probe_BTHV} added to the
+          attention-core output; {layer: {}} filled with the core's q, k, v).
+        """
+        if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+            raise ValueError(
+                f"tokens_BT: expected int [B, T], got {tokens_BT.dtype} {tokens_BT.shape}"
+            )
+        if segment_ids is not None and segment_ids.shape != tokens_BT.shape:
+            raise ValueError(f"segment_ids: expected {tokens_BT.shape}, got {segment_ids.shape}")
+        bad = set(ablate_attention_layers) - set(self.config.attention_layer_indices)
+        if bad:
+            raise ValueError(
+                f"ablate_attention_layers: {sorted(bad)} are not attention layers "
+                f"{self.config.attention_layer_indices}"
+            )
+        core_probes, capture = core_probes or {}, capture or {}
+        x = self.embed(tokens_BT).astype(self.dtype)  # gathered in FP32, then cast
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x,
+                segment_ids=segment_ids,
+                ablate=i in ablate_attention_layers,
+                probe=core_probes.get(i),
+                capture=capture.get(i),
+            )
+        x = self.final_norm(x)
+        if self.head is None:
+            emb = self.embed.embedding.get_value().astype(self.dtype)
+            logits = jnp.einsum("btd,vd->btv", x, emb, preferred_element_type=jnp.float32)
+        else:
+            logits = self.head(x)
+        return logits.astype(jnp.float32)
 
 
 def qk_gains(model: HybridLM) -> dict:
-  """{layer index: (g_q [Dqk], g_k [Dqk])} for every attention layer with QK-norm."""
-  out = {}
-  for i in model.config.attention_layer_indices:
-    mixer = model.layers[i].mixer
-    if mixer.q_norm is not None:
-      out[i] = (mixer.q_norm.scale.get_value(), mixer.k_norm.scale.get_value())
-  return out
+    """{layer index: (g_q [Dqk], g_k [Dqk])} for every attention layer with QK-norm."""
+    out = {}
+    for i in model.config.attention_layer_indices:
+        mixer = model.layers[i].mixer
+        if mixer.q_norm is not None:
+            out[i] = (mixer.q_norm.scale.get_value(), mixer.k_norm.scale.get_value())
+    return out
 
 
 def _core_out_shape(cfg: HybridConfig, i: int, B: int, T: int) -> tuple:
-  dv = cfg.head_dim if cfg.pattern[i] == "attn" else cfg.mla_v_dim
-  return (B, T, cfg.num_heads, dv)
+    dv = cfg.head_dim if cfg.pattern[i] == "attn" else cfg.mla_v_dim
+    return (B, T, cfg.num_heads, dv)
 
 
 def attention_probe(model: HybridLM, tokens_BT, targets_BT, *, segment_ids=None) -> dict:
-  """Exact attention-core operands and output gradients of every attention layer.
+    """Exact attention-core operands and output gradients of every attention layer.
 
-  Returns {layer: {"q": [B,T,Hq,Dqk], "k": [B,T,Hkv,Dqk], "v": [B,T,Hkv,Dv],
-  "do": [B,T,Hq,Dv] float32}} where do = d loss / d core output for
-  loss = mean next-token cross-entropy of logits(tokens_BT) against targets_BT.
-  dO is the gradient w.r.t. a zero probe added to the core output. Jitted (nnx.jit).
-  """
-  B, T = tokens_BT.shape
-  if targets_BT.shape != (B, T):
-    raise ValueError(f"targets_BT: expected {(B, T)}, got {targets_BT.shape}")
-  return _probe(model, tokens_BT, targets_BT, segment_ids)
+    Returns {layer: {"q": [B,T,Hq,Dqk], "k": [B,T,Hkv,Dqk], "v": [B,T,Hkv,Dv],
+    "do": [B,T,Hq,Dv] float32}} where do = d loss / d core output for
+    loss = mean next-token cross-entropy of logits(tokens_BT) against targets_BT.
+    dO is the gradient w.r.t. a zero probe added to the core output. Jitted (nnx.jit).
+    """
+    B, T = tokens_BT.shape
+    if targets_BT.shape != (B, T):
+        raise ValueError(f"targets_BT: expected {(B, T)}, got {targets_BT.shape}")
+    return _probe(model, tokens_BT, targets_BT, segment_ids)
 
 
 @nnx.jit
 def _probe(model, tokens_BT, targets_BT, segment_ids):
-  cfg = model.config
-  B, T = tokens_BT.shape
-  idx = cfg.attention_layer_indices
-  probes = {i: jnp.zeros(_core_out_shape(cfg, i, B, T), jnp.float32) for i in idx}
+    cfg = model.config
+    B, T = tokens_BT.shape
+    idx = cfg.attention_layer_indices
+    probes = {i: jnp.zeros(_core_out_shape(cfg, i, B, T), jnp.float32) for i in idx}
 
-  def loss_fn(probes):
-    capture = {i: {} for i in idx}
-    logits = model(tokens_BT, segment_ids=segment_ids, core_probes=probes, capture=capture)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT).mean()
-    return loss, capture
+    def loss_fn(probes):
+        capture = {i: {} for i in idx}
+        logits = model(tokens_BT, segment_ids=segment_ids, core_probes=probes, capture=capture)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets_BT).mean()
+        return loss, capture
 
-  (_, capture), grads = jax.value_and_grad(loss_fn, has_aux=True)(probes)
-  return {i: {**capture[i], "do": grads[i]} for i in idx}
+    (_, capture), grads = jax.value_and_grad(loss_fn, has_aux=True)(probes)
+    return {i: {**capture[i], "do": grads[i]} for i in idx}

@@ -34,103 +34,155 @@ from dm_jax.nn.sequence import apply_rope, positions
 
 
 class _AttentionBase(nnx.Module):
-  """Shared tail: QK-norm, RoPE, core, probe/capture, output projection."""
+    """Shared tail: QK-norm, RoPE, core, probe/capture, output projection."""
 
-  def _setup_common(self, *, qk_dim, qk_norm, rope, rope_theta, rope_dim, arm,
-                    implementation, core_precision):
-    self.core_precision = check_arm(arm, core_precision)
-    self.q_norm = RMSNorm(qk_dim) if qk_norm else None
-    self.k_norm = RMSNorm(qk_dim) if qk_norm else None
-    self.rope, self.rope_theta, self.rope_dim = rope, rope_theta, rope_dim
-    self.arm, self.implementation = arm, implementation
+    def _setup_common(
+        self, *, qk_dim, qk_norm, rope, rope_theta, rope_dim, arm, implementation, core_precision
+    ):
+        self.core_precision = check_arm(arm, core_precision)
+        self.q_norm = RMSNorm(qk_dim) if qk_norm else None
+        self.k_norm = RMSNorm(qk_dim) if qk_norm else None
+        self.rope, self.rope_theta, self.rope_dim = rope, rope_theta, rope_dim
+        self.arm, self.implementation = arm, implementation
 
-  def core(self, q_BTHD, k_BSKD, v_BSKV, *, segment_ids=None):
-    """This layer's causal attention core (its arm and core precision) -> o_BTHV."""
-    return attention_core(q_BTHD, k_BSKD, v_BSKV, arm=self.arm, causal=True,
-                          segment_ids=segment_ids, implementation=self.implementation,
-                          precision=self.core_precision)
+    def core(self, q_BTHD, k_BSKD, v_BSKV, *, segment_ids=None):
+        """This layer's causal attention core (its arm and core precision) -> o_BTHV."""
+        return attention_core(
+            q_BTHD,
+            k_BSKD,
+            v_BSKV,
+            arm=self.arm,
+            causal=True,
+            segment_ids=segment_ids,
+            implementation=self.implementation,
+            precision=self.core_precision,
+        )
 
-  def _attend(self, q, k, v, segment_ids, probe, capture):
-    B, T = q.shape[:2]
-    if self.q_norm is not None:
-      q, k = self.q_norm(q), self.k_norm(k)
-    if self.rope:
-      pos = positions(B, T, segment_ids)
-      r = self.rope_dim  # RoPE on the last r channels (all of them for GQA)
-      rot = lambda x: jnp.concatenate(
-          [x[..., :-r], apply_rope(x[..., -r:], pos, theta=self.rope_theta)], axis=-1)
-      q, k = rot(q), rot(k)
-    if capture is not None:
-      capture.update(q=q, k=k, v=v)
-    o = self.core(q, k, v, segment_ids=segment_ids)
-    if probe is not None:
-      o = o + probe.astype(o.dtype)
-    return self.o_proj(o.reshape(B, T, -1))
+    def _attend(self, q, k, v, segment_ids, probe, capture):
+        B, T = q.shape[:2]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            pos = positions(B, T, segment_ids)
+            r = self.rope_dim  # RoPE on the last r channels (all of them for GQA)
+            rot = lambda x: jnp.concatenate(
+                [x[..., :-r], apply_rope(x[..., -r:], pos, theta=self.rope_theta)], axis=-1
+            )
+            q, k = rot(q), rot(k)
+        if capture is not None:
+            capture.update(q=q, k=k, v=v)
+        o = self.core(q, k, v, segment_ids=segment_ids)
+        if probe is not None:
+            o = o + probe.astype(o.dtype)
+        return self.o_proj(o.reshape(B, T, -1))
 
 
 class GQAttention(_AttentionBase):
-  """Grouped-query attention: x_BTD -> y_BTD with num_heads query heads sharing
-  num_kv_heads key/value heads of width head_dim."""
+    """Grouped-query attention: x_BTD -> y_BTD with num_heads query heads sharing
+    num_kv_heads key/value heads of width head_dim."""
 
-  def __init__(self, d_model: int, *, num_heads: int, num_kv_heads: int, head_dim: int,
-               qk_norm: bool = True, rope: bool = True, rope_theta: float = 10000.0,
-               arm: str = "matched", implementation: str | None = None,
-               core_precision: str | None = None, proj_fp8: bool = False,
-               dtype=jnp.bfloat16, rngs: nnx.Rngs):
-    if num_heads % num_kv_heads:
-      raise ValueError(f"num_kv_heads: {num_kv_heads} must divide num_heads {num_heads}")
-    H, Hkv, D = num_heads, num_kv_heads, head_dim
-    lin = lambda i, o, **kw: Linear(i, o, fp8=proj_fp8, dtype=dtype, rngs=rngs, **kw)
-    self.q_proj, self.k_proj, self.v_proj = lin(d_model, H * D), lin(d_model, Hkv * D), lin(
-        d_model, Hkv * D)
-    self.o_proj = lin(H * D, d_model, init_std=(H * D) ** -0.5)
-    self._setup_common(qk_dim=D, qk_norm=qk_norm, rope=rope, rope_theta=rope_theta,
-                       rope_dim=D, arm=arm, implementation=implementation,
-                       core_precision=core_precision)
-    self.H, self.Hkv, self.D = H, Hkv, D
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm: bool = True,
+        rope: bool = True,
+        rope_theta: float = 10000.0,
+        arm: str = "matched",
+        implementation: str | None = None,
+        core_precision: str | None = None,
+        proj_fp8: bool = False,
+        dtype=jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: {num_kv_heads} must divide num_heads {num_heads}")
+        H, Hkv, D = num_heads, num_kv_heads, head_dim
+        lin = lambda i, o, **kw: Linear(i, o, fp8=proj_fp8, dtype=dtype, rngs=rngs, **kw)
+        self.q_proj, self.k_proj, self.v_proj = (
+            lin(d_model, H * D),
+            lin(d_model, Hkv * D),
+            lin(d_model, Hkv * D),
+        )
+        self.o_proj = lin(H * D, d_model, init_std=(H * D) ** -0.5)
+        self._setup_common(
+            qk_dim=D,
+            qk_norm=qk_norm,
+            rope=rope,
+            rope_theta=rope_theta,
+            rope_dim=D,
+            arm=arm,
+            implementation=implementation,
+            core_precision=core_precision,
+        )
+        self.H, self.Hkv, self.D = H, Hkv, D
 
-  def __call__(self, x_BTD: jax.Array, *, segment_ids=None, probe=None, capture=None):
-    B, T, _ = x_BTD.shape
-    q = self.q_proj(x_BTD).reshape(B, T, self.H, self.D)
-    k = self.k_proj(x_BTD).reshape(B, T, self.Hkv, self.D)
-    v = self.v_proj(x_BTD).reshape(B, T, self.Hkv, self.D)
-    return self._attend(q, k, v, segment_ids, probe, capture)
+    def __call__(self, x_BTD: jax.Array, *, segment_ids=None, probe=None, capture=None):
+        B, T, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).reshape(B, T, self.H, self.D)
+        k = self.k_proj(x_BTD).reshape(B, T, self.Hkv, self.D)
+        v = self.v_proj(x_BTD).reshape(B, T, self.Hkv, self.D)
+        return self._attend(q, k, v, segment_ids, probe, capture)
 
 
 class MLAttention(_AttentionBase):
-  """Multi-head latent attention: x_BTD -> y_BTD (see the module docstring)."""
+    """Multi-head latent attention: x_BTD -> y_BTD (see the module docstring)."""
 
-  def __init__(self, d_model: int, *, num_heads: int, kv_lora_rank: int,
-               q_lora_rank: int | None, nope_dim: int, rope_dim: int, v_dim: int,
-               qk_norm: bool = True, rope: bool = True, rope_theta: float = 10000.0,
-               arm: str = "matched", implementation: str | None = None,
-               core_precision: str | None = None, proj_fp8: bool = False,
-               dtype=jnp.bfloat16, rngs: nnx.Rngs):
-    H = num_heads
-    lin = lambda i, o, **kw: Linear(i, o, fp8=proj_fp8, dtype=dtype, rngs=rngs, **kw)
-    if q_lora_rank:
-      self.q_down, self.q_latent_norm = lin(d_model, q_lora_rank), RMSNorm(q_lora_rank)
-      self.q_up = lin(q_lora_rank, H * (nope_dim + rope_dim))
-    else:
-      self.q_down, self.q_latent_norm = None, None
-      self.q_up = lin(d_model, H * (nope_dim + rope_dim))
-    self.kv_down = lin(d_model, kv_lora_rank + rope_dim)
-    self.kv_latent_norm = RMSNorm(kv_lora_rank)
-    self.kv_up = lin(kv_lora_rank, H * (nope_dim + v_dim))
-    self.o_proj = lin(H * v_dim, d_model, init_std=(H * v_dim) ** -0.5)
-    self._setup_common(qk_dim=nope_dim + rope_dim, qk_norm=qk_norm, rope=rope,
-                       rope_theta=rope_theta, rope_dim=rope_dim, arm=arm,
-                       implementation=implementation, core_precision=core_precision)
-    self.H, self.nope_dim, self.v_dim, self.kv_lora_rank = H, nope_dim, v_dim, kv_lora_rank
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        num_heads: int,
+        kv_lora_rank: int,
+        q_lora_rank: int | None,
+        nope_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        qk_norm: bool = True,
+        rope: bool = True,
+        rope_theta: float = 10000.0,
+        arm: str = "matched",
+        implementation: str | None = None,
+        core_precision: str | None = None,
+        proj_fp8: bool = False,
+        dtype=jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ):
+        H = num_heads
+        lin = lambda i, o, **kw: Linear(i, o, fp8=proj_fp8, dtype=dtype, rngs=rngs, **kw)
+        if q_lora_rank:
+            self.q_down, self.q_latent_norm = lin(d_model, q_lora_rank), RMSNorm(q_lora_rank)
+            self.q_up = lin(q_lora_rank, H * (nope_dim + rope_dim))
+        else:
+            self.q_down, self.q_latent_norm = None, None
+            self.q_up = lin(d_model, H * (nope_dim + rope_dim))
+        self.kv_down = lin(d_model, kv_lora_rank + rope_dim)
+        self.kv_latent_norm = RMSNorm(kv_lora_rank)
+        self.kv_up = lin(kv_lora_rank, H * (nope_dim + v_dim))
+        self.o_proj = lin(H * v_dim, d_model, init_std=(H * v_dim) ** -0.5)
+        self._setup_common(
+            qk_dim=nope_dim + rope_dim,
+            qk_norm=qk_norm,
+            rope=rope,
+            rope_theta=rope_theta,
+            rope_dim=rope_dim,
+            arm=arm,
+            implementation=implementation,
+            core_precision=core_precision,
+        )
+        self.H, self.nope_dim, self.v_dim, self.kv_lora_rank = H, nope_dim, v_dim, kv_lora_rank
 
-  def __call__(self, x_BTD: jax.Array, *, segment_ids=None, probe=None, capture=None):
-    B, T, _ = x_BTD.shape
-    H, dn, dr, dv = self.H, self.nope_dim, self.rope_dim, self.v_dim
-    cq = x_BTD if self.q_down is None else self.q_latent_norm(self.q_down(x_BTD))
-    q = self.q_up(cq).reshape(B, T, H, dn + dr)
-    ckv, k_rope = jnp.split(self.kv_down(x_BTD), [self.kv_lora_rank], axis=-1)
-    kv = self.kv_up(self.kv_latent_norm(ckv)).reshape(B, T, H, dn + dv)
-    k_nope, v = jnp.split(kv, [dn], axis=-1)
-    k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (B, T, H, dr))  # shared by all heads
-    k = jnp.concatenate([k_nope, k_rope], axis=-1)
-    return self._attend(q, k, v, segment_ids, probe, capture)
+    def __call__(self, x_BTD: jax.Array, *, segment_ids=None, probe=None, capture=None):
+        B, T, _ = x_BTD.shape
+        H, dn, dr, dv = self.H, self.nope_dim, self.rope_dim, self.v_dim
+        cq = x_BTD if self.q_down is None else self.q_latent_norm(self.q_down(x_BTD))
+        q = self.q_up(cq).reshape(B, T, H, dn + dr)
+        ckv, k_rope = jnp.split(self.kv_down(x_BTD), [self.kv_lora_rank], axis=-1)
+        kv = self.kv_up(self.kv_latent_norm(ckv)).reshape(B, T, H, dn + dv)
+        k_nope, v = jnp.split(kv, [dn], axis=-1)
+        k_rope = jnp.broadcast_to(k_rope[:, :, None, :], (B, T, H, dr))  # shared by all heads
+        k = jnp.concatenate([k_nope, k_rope], axis=-1)
+        return self._attend(q, k, v, segment_ids, probe, capture)

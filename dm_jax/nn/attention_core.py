@@ -73,7 +73,14 @@ def attention_core(
 
 
 # Keywords `flax.nnx.MultiHeadAttention` passes to its attention_fn besides q, k, v and mask.
-_FLAX_KWARGS = ("dropout_rng", "dropout_rate", "broadcast_dropout", "deterministic", "dtype", "module")
+_FLAX_KWARGS = (
+    "dropout_rng",
+    "dropout_rate",
+    "broadcast_dropout",
+    "deterministic",
+    "dtype",
+    "module",
+)
 
 
 def dot_product_attention(

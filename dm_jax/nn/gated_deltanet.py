@@ -22,68 +22,105 @@ from dm_jax.nn.sequence import ShortConv
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x.astype(jnp.float32)
+    return x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 class ConvQKV(nnx.Module):
-  """Delta-rule inputs: q, k, v = silu(conv(W x)) per head, q/k L2-normalized, q *= K^-1/2."""
+    """Delta-rule inputs: q, k, v = silu(conv(W x)) per head, q/k L2-normalized, q *= K^-1/2."""
 
-  def __init__(self, d_model: int, *, num_heads: int, key_dim: int, value_dim: int,
-               conv_width: int, dtype, rngs: nnx.Rngs):
-    H, K, V = num_heads, key_dim, value_dim
-    widths = {"q": H * K, "k": H * K, "v": H * V}
-    self.proj = nnx.Dict({n: Linear(d_model, w, dtype=dtype, rngs=rngs)
-                          for n, w in widths.items()})
-    self.conv = nnx.Dict({n: ShortConv(w, conv_width, rngs=rngs) for n, w in widths.items()})
-    self.H, self.K, self.V = H, K, V
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        num_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_width: int,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        H, K, V = num_heads, key_dim, value_dim
+        widths = {"q": H * K, "k": H * K, "v": H * V}
+        self.proj = nnx.Dict(
+            {n: Linear(d_model, w, dtype=dtype, rngs=rngs) for n, w in widths.items()}
+        )
+        self.conv = nnx.Dict({n: ShortConv(w, conv_width, rngs=rngs) for n, w in widths.items()})
+        self.H, self.K, self.V = H, K, V
 
-  def __call__(self, x_BTD, segment_ids=None):
-    B, T, _ = x_BTD.shape
-    qkv = {n: jax.nn.silu(self.conv[n](self.proj[n](x_BTD), segment_ids))
-           for n in ("q", "k", "v")}
-    qkv = {n: x.reshape(B, T, self.H, -1) for n, x in qkv.items()}
-    return (l2_normalize(qkv["q"]) * self.K ** -0.5, l2_normalize(qkv["k"]), qkv["v"])
+    def __call__(self, x_BTD, segment_ids=None):
+        B, T, _ = x_BTD.shape
+        qkv = {
+            n: jax.nn.silu(self.conv[n](self.proj[n](x_BTD), segment_ids)) for n in ("q", "k", "v")
+        }
+        qkv = {n: x.reshape(B, T, self.H, -1) for n, x in qkv.items()}
+        return (l2_normalize(qkv["q"]) * self.K**-0.5, l2_normalize(qkv["k"]), qkv["v"])
 
 
 class GatedDeltaNet(nnx.Module):
-  """x_BTD -> y_BTD. `impl` picks the chunked (default) or naive recurrence.
+    """x_BTD -> y_BTD. `impl` picks the chunked (default) or naive recurrence.
 
-  Subclasses change the decay gate (`_log_decay`) and output gate (`_output_gate`).
-  """
+    Subclasses change the decay gate (`_log_decay`) and output gate (`_output_gate`).
+    """
 
-  def __init__(self, d_model: int, *, num_heads: int, key_dim: int, value_dim: int,
-               conv_width: int = 4, impl: str = "chunked", chunk_size: int = 64,
-               dtype=jnp.bfloat16, rngs: nnx.Rngs):
-    H, K, V = num_heads, key_dim, value_dim
-    self.H, self.K, self.V = H, K, V
-    self.impl, self.chunk_size = impl, chunk_size
-    self.qkv = ConvQKV(d_model, num_heads=H, key_dim=K, value_dim=V, conv_width=conv_width,
-                       dtype=dtype, rngs=rngs)
-    self.b_proj = Linear(d_model, H, dtype=dtype, rngs=rngs)
-    self.o_proj = Linear(H * V, d_model, dtype=dtype, rngs=rngs, init_std=(H * V) ** -0.5)
-    self.A_log = nnx.Param(init_log_A(rngs.params(), (H,)))
-    self.o_norm = RMSNorm(V)
-    self._init_gates(d_model, lambda i, o: Linear(i, o, dtype=dtype, rngs=rngs), rngs)
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        num_heads: int,
+        key_dim: int,
+        value_dim: int,
+        conv_width: int = 4,
+        impl: str = "chunked",
+        chunk_size: int = 64,
+        dtype=jnp.bfloat16,
+        rngs: nnx.Rngs,
+    ):
+        H, K, V = num_heads, key_dim, value_dim
+        self.H, self.K, self.V = H, K, V
+        self.impl, self.chunk_size = impl, chunk_size
+        self.qkv = ConvQKV(
+            d_model,
+            num_heads=H,
+            key_dim=K,
+            value_dim=V,
+            conv_width=conv_width,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        self.b_proj = Linear(d_model, H, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(H * V, d_model, dtype=dtype, rngs=rngs, init_std=(H * V) ** -0.5)
+        self.A_log = nnx.Param(init_log_A(rngs.params(), (H,)))
+        self.o_norm = RMSNorm(V)
+        self._init_gates(d_model, lambda i, o: Linear(i, o, dtype=dtype, rngs=rngs), rngs)
 
-  def _init_gates(self, d_model, lin, rngs):
-    self.a_proj, self.g_proj = lin(d_model, self.H), lin(d_model, self.H * self.V)
-    self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (self.H,)))
+    def _init_gates(self, d_model, lin, rngs):
+        self.a_proj, self.g_proj = lin(d_model, self.H), lin(d_model, self.H * self.V)
+        self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (self.H,)))
 
-  def _log_decay(self, x_BTD):
-    """log a_t = -exp(A_log) * softplus(W_a x + dt_bias): [B, T, H, 1]."""
-    dt = jax.nn.softplus(self.a_proj(x_BTD).astype(jnp.float32) + self.dt_bias.get_value())
-    return (-jnp.exp(self.A_log.get_value()) * dt)[..., None]
+    def _log_decay(self, x_BTD):
+        """log a_t = -exp(A_log) * softplus(W_a x + dt_bias): [B, T, H, 1]."""
+        dt = jax.nn.softplus(self.a_proj(x_BTD).astype(jnp.float32) + self.dt_bias.get_value())
+        return (-jnp.exp(self.A_log.get_value()) * dt)[..., None]
 
-  def _output_gate(self, x_BTD):
-    return jax.nn.silu(self.g_proj(x_BTD).astype(jnp.float32))
+    def _output_gate(self, x_BTD):
+        return jax.nn.silu(self.g_proj(x_BTD).astype(jnp.float32))
 
-  def __call__(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
-    B, T, _ = x_BTD.shape
-    q, k, v = self.qkv(x_BTD, segment_ids)
-    beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
-    o = run_recurrence(q, k, v, self._log_decay(x_BTD), beta, delta_rule=True,
-                       segment_ids=segment_ids, impl=self.impl, chunk_size=self.chunk_size)
-    gate = self._output_gate(x_BTD).reshape(B, T, self.H, self.V)
-    o = (self.o_norm(o) * gate).astype(x_BTD.dtype).reshape(B, T, self.H * self.V)
-    return self.o_proj(o)
+    def __call__(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
+        B, T, _ = x_BTD.shape
+        q, k, v = self.qkv(x_BTD, segment_ids)
+        beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        o = run_recurrence(
+            q,
+            k,
+            v,
+            self._log_decay(x_BTD),
+            beta,
+            delta_rule=True,
+            segment_ids=segment_ids,
+            impl=self.impl,
+            chunk_size=self.chunk_size,
+        )
+        gate = self._output_gate(x_BTD).reshape(B, T, self.H, self.V)
+        o = (self.o_norm(o) * gate).astype(x_BTD.dtype).reshape(B, T, self.H * self.V)
+        return self.o_proj(o)

@@ -22,24 +22,24 @@ from dm_jax.nn.recurrence import init_dt_bias
 
 
 class KimiDeltaAttention(GatedDeltaNet):
-  """x_BTD -> y_BTD; same constructor as `GatedDeltaNet` (default chunk_size 32)."""
+    """x_BTD -> y_BTD; same constructor as `GatedDeltaNet` (default chunk_size 32)."""
 
-  @functools.wraps(GatedDeltaNet.__init__)
-  def __init__(self, *args, chunk_size: int = 32, **kwargs):
-    super().__init__(*args, chunk_size=chunk_size, **kwargs)
+    @functools.wraps(GatedDeltaNet.__init__)
+    def __init__(self, *args, chunk_size: int = 32, **kwargs):
+        super().__init__(*args, chunk_size=chunk_size, **kwargs)
 
-  def _init_gates(self, d_model, lin, rngs):
-    H, K, V = self.H, self.K, self.V
-    self.f_down, self.f_up = lin(d_model, K), lin(K, H * K)  # channel-wise decay, low rank
-    self.g_down, self.g_up = lin(d_model, K), lin(K, H * V)  # output gate, low rank
-    self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (H * K,)))
+    def _init_gates(self, d_model, lin, rngs):
+        H, K, V = self.H, self.K, self.V
+        self.f_down, self.f_up = lin(d_model, K), lin(K, H * K)  # channel-wise decay, low rank
+        self.g_down, self.g_up = lin(d_model, K), lin(K, H * V)  # output gate, low rank
+        self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (H * K,)))
 
-  def _log_decay(self, x_BTD):
-    """log a_t = -exp(A_log_h) * softplus(W_f2 W_f1 x + dt_bias): [B, T, H, K]."""
-    B, T, _ = x_BTD.shape
-    f = self.f_up(self.f_down(x_BTD)).astype(jnp.float32) + self.dt_bias.get_value()
-    A = jnp.exp(self.A_log.get_value())[:, None]  # [H, 1]
-    return -A * jax.nn.softplus(f).reshape(B, T, self.H, self.K)
+    def _log_decay(self, x_BTD):
+        """log a_t = -exp(A_log_h) * softplus(W_f2 W_f1 x + dt_bias): [B, T, H, K]."""
+        B, T, _ = x_BTD.shape
+        f = self.f_up(self.f_down(x_BTD)).astype(jnp.float32) + self.dt_bias.get_value()
+        A = jnp.exp(self.A_log.get_value())[:, None]  # [H, 1]
+        return -A * jax.nn.softplus(f).reshape(B, T, self.H, self.K)
 
-  def _output_gate(self, x_BTD):
-    return jax.nn.sigmoid(self.g_up(self.g_down(x_BTD)).astype(jnp.float32))
+    def _output_gate(self, x_BTD):
+        return jax.nn.sigmoid(self.g_up(self.g_down(x_BTD)).astype(jnp.float32))

@@ -14,15 +14,15 @@ from dm_jax.nn.fp8 import Linear
 
 
 class SwiGLU(nnx.Module):
-  """x_BTD -> y_BTD through a hidden width `hidden`."""
+    """x_BTD -> y_BTD through a hidden width `hidden`."""
 
-  def __init__(self, d_model: int, hidden: int, *, fp8: bool = False, dtype=jnp.bfloat16,
-               rngs: nnx.Rngs):
-    self.gate_up = Linear(d_model, 2 * hidden, fp8=fp8, dtype=dtype, rngs=rngs)
-    self.down = Linear(hidden, d_model, fp8=fp8, dtype=dtype, rngs=rngs,
-                       init_std=hidden ** -0.5)
-    self.hidden = hidden
+    def __init__(
+        self, d_model: int, hidden: int, *, fp8: bool = False, dtype=jnp.bfloat16, rngs: nnx.Rngs
+    ):
+        self.gate_up = Linear(d_model, 2 * hidden, fp8=fp8, dtype=dtype, rngs=rngs)
+        self.down = Linear(hidden, d_model, fp8=fp8, dtype=dtype, rngs=rngs, init_std=hidden**-0.5)
+        self.hidden = hidden
 
-  def __call__(self, x_BTD: jax.Array) -> jax.Array:
-    gate, up = jnp.split(self.gate_up(x_BTD), 2, axis=-1)
-    return self.down(jax.nn.silu(gate) * up)
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        gate, up = jnp.split(self.gate_up(x_BTD), 2, axis=-1)
+        return self.down(jax.nn.silu(gate) * up)

@@ -38,170 +38,213 @@ from dm_jax.nn.sequence import document_starts
 
 
 def _check(q, k, v, g, b, segment_ids):
-  B, T, H, K = q.shape
-  if k.shape != (B, T, H, K):
-    raise ValueError(f"k: expected {(B, T, H, K)} like q, got {k.shape}")
-  if v.shape[:3] != (B, T, H):
-    raise ValueError(f"v: expected [B, T, H, V] = [{B}, {T}, {H}, V], got {v.shape}")
-  if g.shape not in ((B, T, H, 1), (B, T, H, K)):
-    raise ValueError(f"log_decay: expected {(B, T, H, 1)} or {(B, T, H, K)}, got {g.shape}")
-  if b.shape != (B, T, H):
-    raise ValueError(f"beta: expected {(B, T, H)}, got {b.shape}")
-  if segment_ids is not None and segment_ids.shape != (B, T):
-    raise ValueError(f"segment_ids: expected {(B, T)}, got {segment_ids.shape}")
+    B, T, H, K = q.shape
+    if k.shape != (B, T, H, K):
+        raise ValueError(f"k: expected {(B, T, H, K)} like q, got {k.shape}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v: expected [B, T, H, V] = [{B}, {T}, {H}, V], got {v.shape}")
+    if g.shape not in ((B, T, H, 1), (B, T, H, K)):
+        raise ValueError(f"log_decay: expected {(B, T, H, 1)} or {(B, T, H, K)}, got {g.shape}")
+    if b.shape != (B, T, H):
+        raise ValueError(f"beta: expected {(B, T, H)}, got {b.shape}")
+    if segment_ids is not None and segment_ids.shape != (B, T):
+        raise ValueError(f"segment_ids: expected {(B, T)}, got {segment_ids.shape}")
 
 
 def _boundaries(segment_ids, B, T):
-  """reset_BT: True where a new document starts after t = 0 (state cleared before the step)."""
-  if segment_ids is None:
-    return jnp.zeros((B, T), bool)
-  return document_starts(segment_ids).at[:, 0].set(False)
+    """reset_BT: True where a new document starts after t = 0 (state cleared before the step)."""
+    if segment_ids is None:
+        return jnp.zeros((B, T), bool)
+    return document_starts(segment_ids).at[:, 0].set(False)
 
 
-def recurrent_naive(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, *, delta_rule: bool,
-                    segment_ids=None, initial_state_BHKV=None):
-  """Step-by-step reference. log_decay G is 1 (per head) or K (per key channel).
+def recurrent_naive(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    log_decay_BTHG,
+    beta_BTH,
+    *,
+    delta_rule: bool,
+    segment_ids=None,
+    initial_state_BHKV=None,
+):
+    """Step-by-step reference. log_decay G is 1 (per head) or K (per key channel).
 
-  Returns (o_BTHV float32, final state_BHKV float32).
-  """
-  _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
-  B, T, H, K = q_BTHK.shape
-  V = v_BTHV.shape[-1]
-  f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # time-major for the scan
-  xs = (f32(q_BTHK), f32(k_BTHK), f32(v_BTHV), f32(log_decay_BTHG), f32(beta_BTH),
-        jnp.moveaxis(_boundaries(segment_ids, B, T), 1, 0))
-  S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state_BHKV is None
-        else initial_state_BHKV.astype(jnp.float32))
+    Returns (o_BTHV float32, final state_BHKV float32).
+    """
+    _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # time-major for the scan
+    xs = (
+        f32(q_BTHK),
+        f32(k_BTHK),
+        f32(v_BTHV),
+        f32(log_decay_BTHG),
+        f32(beta_BTH),
+        jnp.moveaxis(_boundaries(segment_ids, B, T), 1, 0),
+    )
+    S0 = (
+        jnp.zeros((B, H, K, V), jnp.float32)
+        if initial_state_BHKV is None
+        else initial_state_BHKV.astype(jnp.float32)
+    )
 
-  def step(S, x):
-    q, k, v, g, b, reset = x
-    S = jnp.where(reset[:, None, None, None], 0.0, S)
-    DS = jnp.exp(g)[..., None] * S  # D_t S_{t-1}: decay rows (key channels)
-    if delta_rule:
-      u = b[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", DS, k))
-    else:
-      u = b[..., None] * v
-    S = DS + k[..., :, None] * u[..., None, :]
-    return S, jnp.einsum("bhkv,bhk->bhv", S, q)
+    def step(S, x):
+        q, k, v, g, b, reset = x
+        S = jnp.where(reset[:, None, None, None], 0.0, S)
+        DS = jnp.exp(g)[..., None] * S  # D_t S_{t-1}: decay rows (key channels)
+        if delta_rule:
+            u = b[..., None] * (v - jnp.einsum("bhkv,bhk->bhv", DS, k))
+        else:
+            u = b[..., None] * v
+        S = DS + k[..., :, None] * u[..., None, :]
+        return S, jnp.einsum("bhkv,bhk->bhv", S, q)
 
-  S, o = jax.lax.scan(step, S0, xs)
-  return jnp.moveaxis(o, 0, 1), S
+    S, o = jax.lax.scan(step, S0, xs)
+    return jnp.moveaxis(o, 0, 1), S
 
 
 def unit_lower_inverse(L_CC):
-  """Inverse of unit lower-triangular matrices [..., C, C] by recursive 2 x 2 blocking.
+    """Inverse of unit lower-triangular matrices [..., C, C] by recursive 2 x 2 blocking.
 
-  [[L11, 0], [L21, L22]]^-1 = [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]]; both diagonal
-  blocks are inverted in one batched call, so the trace has log2(C) levels of matmuls.
-  (Matmuls only: XLA's CPU triangular solve can deadlock its thread pool on few cores.)
-  """
-  C = L_CC.shape[-1]
-  if C == 1:
-    return jnp.ones_like(L_CC)
-  Cp = 1 << (C - 1).bit_length()
-  if Cp != C:  # pad with an identity block: blockdiag(L, I)^-1 = blockdiag(L^-1, I)
-    eye = jnp.eye(Cp, dtype=L_CC.dtype)
-    padded = eye.at[:C, :C].set(0.0) + jnp.pad(L_CC, [(0, 0)] * (L_CC.ndim - 2) + [(0, Cp - C)] * 2)
-    return unit_lower_inverse(padded)[..., :C, :C]
-  h = C // 2
-  inv = unit_lower_inverse(jnp.stack([L_CC[..., :h, :h], L_CC[..., h:, h:]]))
-  top_inv, bottom_inv = inv[0], inv[1]
-  lower = -(bottom_inv @ L_CC[..., h:, :h]) @ top_inv
-  top = jnp.concatenate([top_inv, jnp.zeros_like(top_inv)], axis=-1)
-  return jnp.concatenate([top, jnp.concatenate([lower, bottom_inv], axis=-1)], axis=-2)
+    [[L11, 0], [L21, L22]]^-1 = [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]]; both diagonal
+    blocks are inverted in one batched call, so the trace has log2(C) levels of matmuls.
+    (Matmuls only: XLA's CPU triangular solve can deadlock its thread pool on few cores.)
+    """
+    C = L_CC.shape[-1]
+    if C == 1:
+        return jnp.ones_like(L_CC)
+    Cp = 1 << (C - 1).bit_length()
+    if Cp != C:  # pad with an identity block: blockdiag(L, I)^-1 = blockdiag(L^-1, I)
+        eye = jnp.eye(Cp, dtype=L_CC.dtype)
+        padded = eye.at[:C, :C].set(0.0) + jnp.pad(
+            L_CC, [(0, 0)] * (L_CC.ndim - 2) + [(0, Cp - C)] * 2
+        )
+        return unit_lower_inverse(padded)[..., :C, :C]
+    h = C // 2
+    inv = unit_lower_inverse(jnp.stack([L_CC[..., :h, :h], L_CC[..., h:, h:]]))
+    top_inv, bottom_inv = inv[0], inv[1]
+    lower = -(bottom_inv @ L_CC[..., h:, :h]) @ top_inv
+    top = jnp.concatenate([top_inv, jnp.zeros_like(top_inv)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([lower, bottom_inv], axis=-1)], axis=-2)
 
 
 def _pair(a_rK, b_jK, dec_rjG):
-  """sum_c a_rc b_jc Dec_rjc; for a per-head decay (G = 1) a plain matmul times Dec."""
-  if dec_rjG.shape[-1] == 1:
-    return jnp.einsum("...rc,...jc->...rj", a_rK, b_jK) * dec_rjG[..., 0]
-  return jnp.einsum("...rc,...jc,...rjc->...rj", a_rK, b_jK, dec_rjG)
+    """sum_c a_rc b_jc Dec_rjc; for a per-head decay (G = 1) a plain matmul times Dec."""
+    if dec_rjG.shape[-1] == 1:
+        return jnp.einsum("...rc,...jc->...rj", a_rK, b_jK) * dec_rjG[..., 0]
+    return jnp.einsum("...rc,...jc,...rjc->...rj", a_rK, b_jK, dec_rjG)
 
 
-def recurrent_chunked(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, *, delta_rule: bool,
-                      segment_ids=None, initial_state_BHKV=None, chunk_size: int = 64):
-  """Chunked parallel form of `recurrent_naive` (same arguments, same results)."""
-  _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
-  if chunk_size <= 0:
-    raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-  B, T, H, K = q_BTHK.shape
-  V, G = v_BTHV.shape[-1], log_decay_BTHG.shape[-1]
-  C = min(chunk_size, T)
-  N = -(-T // C)
-  pad = N * C - T
-  seg = (jnp.zeros((B, T), jnp.int32) if segment_ids is None
-         else segment_ids.astype(jnp.int32))
-  prev_seg = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
+def recurrent_chunked(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    log_decay_BTHG,
+    beta_BTH,
+    *,
+    delta_rule: bool,
+    segment_ids=None,
+    initial_state_BHKV=None,
+    chunk_size: int = 64,
+):
+    """Chunked parallel form of `recurrent_naive` (same arguments, same results)."""
+    _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    B, T, H, K = q_BTHK.shape
+    V, G = v_BTHV.shape[-1], log_decay_BTHG.shape[-1]
+    C = min(chunk_size, T)
+    N = -(-T // C)
+    pad = N * C - T
+    seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    prev_seg = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
 
-  def chunks(x):
-    # [B, T, H, ...] -> [N, B, H, C, ...]; padded steps have k = v = b = g = 0 (no effect).
-    x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    x = x.reshape(B, N, C, *x.shape[2:])
-    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
+    def chunks(x):
+        # [B, T, H, ...] -> [N, B, H, C, ...]; padded steps have k = v = b = g = 0 (no effect).
+        x = jnp.pad(x.astype(jnp.float32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(B, N, C, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
-  q, k, v, g = (chunks(x) for x in (q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG))
-  b = chunks(beta_BTH)[..., None]  # [N, B, H, C, 1]
-  seg_c = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge").reshape(B, N, C)
-  seg_c = jnp.moveaxis(seg_c, 1, 0)[:, :, None]  # [N, B, 1, C]
-  seg_prev = jnp.moveaxis(prev_seg[:, ::C][:, :N], 1, 0)[:, :, None, None]  # [N, B, 1, 1]
+    q, k, v, g = (chunks(x) for x in (q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG))
+    b = chunks(beta_BTH)[..., None]  # [N, B, H, C, 1]
+    seg_c = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge").reshape(B, N, C)
+    seg_c = jnp.moveaxis(seg_c, 1, 0)[:, :, None]  # [N, B, 1, C]
+    seg_prev = jnp.moveaxis(prev_seg[:, ::C][:, :N], 1, 0)[:, :, None, None]  # [N, B, 1, 1]
 
-  Gc = jnp.cumsum(g, axis=-2)  # G_r: [N, B, H, C, G]
-  idx = jnp.arange(C)
-  same = (seg_c[..., :, None] == seg_c[..., None, :]) & (idx[:, None] >= idx[None, :])
-  diff = Gc[..., :, None, :] - Gc[..., None, :, :]  # G_r - G_j: [N, B, H, C, C, G]
-  dec = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))  # Dec_rj, zero unless j <= r
-  carried = (seg_c == seg_prev)[..., None]  # positions still in the chunk's first document
-  gam = jnp.exp(Gc) * carried  # exp(G_r), masked after a boundary: [N, B, H, C, G]
+    Gc = jnp.cumsum(g, axis=-2)  # G_r: [N, B, H, C, G]
+    idx = jnp.arange(C)
+    same = (seg_c[..., :, None] == seg_c[..., None, :]) & (idx[:, None] >= idx[None, :])
+    diff = Gc[..., :, None, :] - Gc[..., None, :, :]  # G_r - G_j: [N, B, H, C, C, G]
+    dec = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))  # Dec_rj, zero unless j <= r
+    carried = (seg_c == seg_prev)[..., None]  # positions still in the chunk's first document
+    gam = jnp.exp(Gc) * carried  # exp(G_r), masked after a boundary: [N, B, H, C, G]
 
-  if delta_rule:
-    strict = (idx[:, None] > idx[None, :])
-    A = b * _pair(k, k, dec) * strict  # A_rj = b_r <k_r, Dec_rj k_j>, j < r
-    L = A + jnp.eye(C, dtype=A.dtype)
-    L_inv = unit_lower_inverse(L)
-    u_part = L_inv @ (b * v)
-    w_part = L_inv @ (b * gam * k)
-  else:
-    u_part, w_part = b * v, jnp.zeros_like(k)
-  P = _pair(q, k, dec)  # <q_r, Dec_rj k_j>, j <= r
-  qg = gam * q
-  k_end = dec[..., -1, :, :] * k  # Dec_Cj * k_j
-  gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # [N, B, H, G, 1]
+    if delta_rule:
+        strict = idx[:, None] > idx[None, :]
+        A = b * _pair(k, k, dec) * strict  # A_rj = b_r <k_r, Dec_rj k_j>, j < r
+        L = A + jnp.eye(C, dtype=A.dtype)
+        L_inv = unit_lower_inverse(L)
+        u_part = L_inv @ (b * v)
+        w_part = L_inv @ (b * gam * k)
+    else:
+        u_part, w_part = b * v, jnp.zeros_like(k)
+    P = _pair(q, k, dec)  # <q_r, Dec_rj k_j>, j <= r
+    qg = gam * q
+    k_end = dec[..., -1, :, :] * k  # Dec_Cj * k_j
+    gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # [N, B, H, G, 1]
 
-  def step(S, x):
-    u_p, w_p, P_c, qg_c, k_end_c, gam_end_c = x
-    u = u_p - w_p @ S  # U = (I+A)^-1 (b V) - (I+A)^-1 (b exp(G) K) S_0
-    o = qg_c @ S + P_c @ u
-    S = gam_end_c * S + jnp.swapaxes(k_end_c, -1, -2) @ u
-    return S, o
+    def step(S, x):
+        u_p, w_p, P_c, qg_c, k_end_c, gam_end_c = x
+        u = u_p - w_p @ S  # U = (I+A)^-1 (b V) - (I+A)^-1 (b exp(G) K) S_0
+        o = qg_c @ S + P_c @ u
+        S = gam_end_c * S + jnp.swapaxes(k_end_c, -1, -2) @ u
+        return S, o
 
-  S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state_BHKV is None
-        else initial_state_BHKV.astype(jnp.float32))
-  S, o = jax.lax.scan(step, S0, (u_part, w_part, P, qg, k_end, gam_end))
-  o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
-  return o, S
+    S0 = (
+        jnp.zeros((B, H, K, V), jnp.float32)
+        if initial_state_BHKV is None
+        else initial_state_BHKV.astype(jnp.float32)
+    )
+    S, o = jax.lax.scan(step, S0, (u_part, w_part, P, qg, k_end, gam_end))
+    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
+    return o, S
 
 
 IMPLEMENTATIONS = {"chunked": recurrent_chunked, "naive": recurrent_naive}
 
 
-def run_recurrence(q, k, v, log_decay, beta, *, delta_rule: bool, segment_ids=None,
-                   impl: str = "chunked", chunk_size: int = 64):
-  """Dispatch to the chunked (default) or naive form; returns o_BTHV in float32."""
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
-  kw = {"chunk_size": chunk_size} if impl == "chunked" else {}
-  o, _ = IMPLEMENTATIONS[impl](q, k, v, log_decay, beta, delta_rule=delta_rule,
-                               segment_ids=segment_ids, **kw)
-  return o
+def run_recurrence(
+    q,
+    k,
+    v,
+    log_decay,
+    beta,
+    *,
+    delta_rule: bool,
+    segment_ids=None,
+    impl: str = "chunked",
+    chunk_size: int = 64,
+):
+    """Dispatch to the chunked (default) or naive form; returns o_BTHV in float32."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
+    kw = {"chunk_size": chunk_size} if impl == "chunked" else {}
+    o, _ = IMPLEMENTATIONS[impl](
+        q, k, v, log_decay, beta, delta_rule=delta_rule, segment_ids=segment_ids, **kw
+    )
+    return o
 
 
 def init_log_A(key, shape, lo: float = 1.0, hi: float = 16.0):
-  """A_log with A = exp(A_log) ~ U[lo, hi]: per-step log decay is -A * softplus(.)."""
-  return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi))
+    """A_log with A = exp(A_log) ~ U[lo, hi]: per-step log decay is -A * softplus(.)."""
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi))
 
 
 def init_dt_bias(key, shape, dt_min: float = 1e-3, dt_max: float = 0.1):
-  """Bias b with softplus(b) = dt, dt log-uniform in [dt_min, dt_max] (Mamba's init)."""
-  u = jax.random.uniform(key, shape, jnp.float32)
-  dt = jnp.exp(u * (jnp.log(dt_max) - jnp.log(dt_min)) + jnp.log(dt_min))
-  return dt + jnp.log(-jnp.expm1(-dt))  # inverse softplus
+    """Bias b with softplus(b) = dt, dt log-uniform in [dt_min, dt_max] (Mamba's init)."""
+    u = jax.random.uniform(key, shape, jnp.float32)
+    dt = jnp.exp(u * (jnp.log(dt_max) - jnp.log(dt_min)) + jnp.log(dt_min))
+    return dt + jnp.log(-jnp.expm1(-dt))  # inverse softplus

@@ -6,16 +6,46 @@ Everything takes a model callable and a tokenizer, not training internals:
 """
 
 from train.eval.haystack import Haystack, build_haystack
-from train.eval.probes import (DELTA_MODES, MaskingResult, ResidualStats, cross_entropy,
-                               masking_probe, residual_probe, residual_ratio)
+from train.eval.probes import (
+    DELTA_MODES,
+    MaskingResult,
+    ResidualStats,
+    cross_entropy,
+    masking_probe,
+    residual_probe,
+    residual_ratio,
+)
 from train.eval.ruler import TASKS, RulerExample, generate
-from train.eval.scoring import (TaskScore, answer_line, continuation_logprob, greedy_generate,
-                                match_fraction, score_examples)
+from train.eval.scoring import (
+    TaskScore,
+    answer_line,
+    continuation_logprob,
+    greedy_generate,
+    match_fraction,
+    score_examples,
+)
 from train.eval.suite import RulerConfig, run_ruler, summarize
 
 __all__ = [
-    "Haystack", "build_haystack", "DELTA_MODES", "MaskingResult", "ResidualStats",
-    "cross_entropy", "masking_probe", "residual_probe", "residual_ratio", "TASKS",
-    "RulerExample", "generate", "TaskScore", "answer_line", "continuation_logprob", "greedy_generate",
-    "match_fraction", "score_examples", "RulerConfig", "run_ruler", "summarize",
+    "Haystack",
+    "build_haystack",
+    "DELTA_MODES",
+    "MaskingResult",
+    "ResidualStats",
+    "cross_entropy",
+    "masking_probe",
+    "residual_probe",
+    "residual_ratio",
+    "TASKS",
+    "RulerExample",
+    "generate",
+    "TaskScore",
+    "answer_line",
+    "continuation_logprob",
+    "greedy_generate",
+    "match_fraction",
+    "score_examples",
+    "RulerConfig",
+    "run_ruler",
+    "summarize",
 ]

@@ -33,7 +33,9 @@ def cross_entropy(logits_fn: Callable, batches: Iterable[Mapping], **kwargs) -> 
     """
     total, count = 0.0, 0.0
     for batch in batches:
-        logits_BTV = logits_fn(np.asarray(batch["tokens"]), segment_ids=batch.get("segments"), **kwargs)
+        logits_BTV = logits_fn(
+            np.asarray(batch["tokens"]), segment_ids=batch.get("segments"), **kwargs
+        )
         nll_BT = _token_nll(logits_BTV, batch["targets"])
         mask_BT = np.asarray(batch.get("mask", np.ones(nll_BT.shape)), np.float64)
         total += float((nll_BT * mask_BT).sum())
@@ -63,8 +65,11 @@ def masking_probe(logits_fn: Callable, batches: Sequence[Mapping], layer: int) -
     attention went bad suggests the rest of the network has learned to route around it.
     """
     batches = list(batches)
-    return MaskingResult(layer, cross_entropy(logits_fn, batches),
-                         cross_entropy(logits_fn, batches, ablate_attention_layers=(layer,)))
+    return MaskingResult(
+        layer,
+        cross_entropy(logits_fn, batches),
+        cross_entropy(logits_fn, batches, ablate_attention_layers=(layer,)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +82,14 @@ class ResidualStats:
     post_cast: float
 
 
-def residual_probe(probe_fn: Callable, row_sum_fn: Callable, batch: Mapping, *,
-                   deltas: Sequence[str] = DELTA_MODES, causal: bool = True) -> list[ResidualStats]:
+def residual_probe(
+    probe_fn: Callable,
+    row_sum_fn: Callable,
+    batch: Mapping,
+    *,
+    deltas: Sequence[str] = DELTA_MODES,
+    causal: bool = True,
+) -> list[ResidualStats]:
     """dS row-sum residuals on a trained model's real attention inputs, per layer and delta mode.
 
     probe_fn: (tokens_BT, targets_BT) -> {layer: dict(q, k, v, do)} captured from a forward and
@@ -93,17 +104,38 @@ def residual_probe(probe_fn: Callable, row_sum_fn: Callable, batch: Mapping, *,
     for layer in sorted(captured):
         x = captured[layer]
         for delta in deltas:
-            r = row_sum_fn(x["q"], x["k"], x["v"], x["do"], causal=causal, delta=delta,
-                           segment_ids=None if segments is None else np.asarray(segments))
-            out.append(ResidualStats(layer, delta, float(np.nanmean(np.asarray(r["pre_cast"]))),
-                                     float(np.nanmean(np.asarray(r["post_cast"])))))
+            r = row_sum_fn(
+                x["q"],
+                x["k"],
+                x["v"],
+                x["do"],
+                causal=causal,
+                delta=delta,
+                segment_ids=None if segments is None else np.asarray(segments),
+            )
+            out.append(
+                ResidualStats(
+                    layer,
+                    delta,
+                    float(np.nanmean(np.asarray(r["pre_cast"]))),
+                    float(np.nanmean(np.asarray(r["post_cast"]))),
+                )
+            )
     return out
 
 
-def residual_ratio(stats: Sequence[ResidualStats], *, stage: str = "post_cast",
-                   numerator: str = "stale", denominator: str = "matched") -> dict[int, float]:
+def residual_ratio(
+    stats: Sequence[ResidualStats],
+    *,
+    stage: str = "post_cast",
+    numerator: str = "stale",
+    denominator: str = "matched",
+) -> dict[int, float]:
     """Per layer: mean residual of `numerator` mode / `denominator` mode at `stage`."""
     table = {(s.layer, s.delta): getattr(s, stage) for s in stats}
     layers = sorted({s.layer for s in stats})
-    return {l: table[(l, numerator)] / table[(l, denominator)] for l in layers
-            if (l, numerator) in table and (l, denominator) in table}
+    return {
+        l: table[(l, numerator)] / table[(l, denominator)]
+        for l in layers
+        if (l, numerator) in table and (l, denominator) in table
+    }

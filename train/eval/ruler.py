@@ -28,8 +28,13 @@ from typing import Callable, Protocol, Sequence
 from train.eval.haystack import Haystack
 
 TASKS = (
-    "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery",
-    "variable_tracking", "common_words", "frequent_words",
+    "niah_single",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "variable_tracking",
+    "common_words",
+    "frequent_words",
 )
 
 
@@ -101,7 +106,9 @@ class _Budget:
         self.tok = tok
         self.left = context_length - reserve - len(tok.encode(fixed))
         if self.left <= 0:
-            raise ValueError(f"context_length: {context_length} tokens cannot hold the task's fixed text")
+            raise ValueError(
+                f"context_length: {context_length} tokens cannot hold the task's fixed text"
+            )
 
     def take(self, text: str, sep: str = " ") -> bool:
         """Spend the tokens of `text + sep` if they fit; say whether they did."""
@@ -141,8 +148,10 @@ def _niah(rng, hay, tok, n, *, n_keys, n_values, n_queries):
     what, verb = ("numbers", "are") if len(answers) > 1 else ("number", "is")
     keys_text = ", ".join(asked)
     # The answer prefix repeats the needle's own words, so a model that copies can answer.
-    tail = (f"\nQuestion: What special magic {what} for {keys_text} did the text mention?"
-            f"\nAnswer: The special magic {what} for {keys_text} {verb}:")
+    tail = (
+        f"\nQuestion: What special magic {what} for {keys_text} did the text mention?"
+        f"\nAnswer: The special magic {what} for {keys_text} {verb}:"
+    )
     head = "Remember the special magic numbers hidden in this text.\n"
     budget = _Budget(tok, n, head + tail, answers)
     prompt = head + _prose_with_inserts(rng, hay, budget, needles) + tail
@@ -190,8 +199,13 @@ def _common_words(rng, hay, tok, n):
     budget = _Budget(tok, n, head + tail, common_words)
     fit = budget.left // len(tok.encode("abcdefg, "))  # words that fit, roughly
     common = max(3, fit // (3 * n_common))  # common words take about a third of the list
-    items = _word_list(rng, budget, {w: common for w in common_words},
-                       lambda: (rng.choice(hay.words), max(1, common // 3)), ", ")
+    items = _word_list(
+        rng,
+        budget,
+        {w: common for w in common_words},
+        lambda: (rng.choice(hay.words), max(1, common // 3)),
+        ", ",
+    )
     counts = collections.Counter(items)
     by_first = lambda words: sorted(words, key=items.index)  # noqa: E731
     rare = by_first(w for w in counts if counts[w] < common)[:n_common]
@@ -229,8 +243,15 @@ _BUILDERS = {
 }
 
 
-def generate(task: str, context_length: int, n_examples: int, *, haystack: Haystack,
-             tokenizer: Tokenizer, seed: int = 0) -> list[RulerExample]:
+def generate(
+    task: str,
+    context_length: int,
+    n_examples: int,
+    *,
+    haystack: Haystack,
+    tokenizer: Tokenizer,
+    seed: int = 0,
+) -> list[RulerExample]:
     """`n_examples` instances of `task`, each fitting in `context_length` tokens with its answer.
 
     Deterministic in (`task`, `context_length`, `seed`): every arm sees the same prompts.
@@ -246,6 +267,8 @@ def generate(task: str, context_length: int, n_examples: int, *, haystack: Hayst
         example = RulerExample(task, context_length, prompt, tuple(answers), tuple(distractors))
         used = len(tokenizer.encode(prompt + example.target))
         if used > context_length:  # a tokenizer that merges across the pieces we counted
-            raise ValueError(f"context_length: {task} example needs {used} > {context_length} tokens")
+            raise ValueError(
+                f"context_length: {task} example needs {used} > {context_length} tokens"
+            )
         out.append(example)
     return out

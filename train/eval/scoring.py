@@ -23,7 +23,9 @@ _MAX_NEW = 64  # room past the context length for greedy answers
 def _pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, rows: int = 0) -> np.ndarray:
     """int32 [max(rows, len(seqs)), length]: each sequence left-aligned, then `pad_id`."""
     if max(map(len, seqs)) > length:
-        raise ValueError(f"length: {length} is shorter than a sequence of {max(map(len, seqs))} tokens")
+        raise ValueError(
+            f"length: {length} is shorter than a sequence of {max(map(len, seqs))} tokens"
+        )
     out = np.full((max(rows, len(seqs)), length), pad_id, np.int32)
     for row, seq in zip(out, seqs):
         row[: len(seq)] = seq
@@ -39,9 +41,16 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
 
 
-def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                    pad_id: int = 0, length: int = 0, rows: int = 0,
-                    done: Optional[Callable[[list[int]], bool]] = None) -> list[list[int]]:
+def greedy_generate(
+    logits_fn: LogitsFn,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    pad_id: int = 0,
+    length: int = 0,
+    rows: int = 0,
+    done: Optional[Callable[[list[int]], bool]] = None,
+) -> list[list[int]]:
     """Greedy continuation of each prompt: up to `max_new_tokens` ids per prompt.
 
     Runs one full forward pass per new token over a [max(rows, N), L] buffer (no KV cache;
@@ -57,9 +66,11 @@ def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_n
     need = int(lengths.max()) + max_new_tokens
     buf_BL = _pad(prompts, length or _round_up(need, 128), pad_id, rows)
     if need > buf_BL.shape[1]:
-        raise ValueError(f"length: {buf_BL.shape[1]} cannot hold a prompt and {max_new_tokens} new tokens")
+        raise ValueError(
+            f"length: {buf_BL.shape[1]} cannot hold a prompt and {max_new_tokens} new tokens"
+        )
     rows = np.arange(len(prompts))
-    new = lambda steps: [buf_BL[i, lengths[i]: lengths[i] + steps].tolist() for i in rows]  # noqa: E731
+    new = lambda steps: [buf_BL[i, lengths[i] : lengths[i] + steps].tolist() for i in rows]  # noqa: E731
     for step in range(max_new_tokens):
         pos = lengths + step
         logits_BLV = np.asarray(logits_fn(buf_BL))
@@ -69,9 +80,15 @@ def greedy_generate(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]], max_n
     return new(max_new_tokens)
 
 
-def continuation_logprob(logits_fn: LogitsFn, prompts: Sequence[Sequence[int]],
-                         continuations: Sequence[Sequence[int]], *, pad_id: int = 0,
-                         length: int = 0, rows: int = 0) -> np.ndarray:
+def continuation_logprob(
+    logits_fn: LogitsFn,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    pad_id: int = 0,
+    length: int = 0,
+    rows: int = 0,
+) -> np.ndarray:
     """Mean log-probability per token (nats) of each continuation given its prompt: [N].
 
     `length`, `rows`: the padded batch shape, as in `greedy_generate`."""
@@ -122,8 +139,15 @@ class TaskScore:
     choice: float
 
 
-def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence[RulerExample], *,
-                   batch_size: int = 8, pad_id: int = 0, generate: bool = True) -> TaskScore:
+def score_examples(
+    logits_fn: LogitsFn,
+    tokenizer: Tokenizer,
+    examples: Sequence[RulerExample],
+    *,
+    batch_size: int = 8,
+    pad_id: int = 0,
+    generate: bool = True,
+) -> TaskScore:
     """Scores examples of one task and length (see `TaskScore`); `generate=False` skips
     greedy decoding (exact/partial match are then NaN) and only scores the likelihood."""
     if not examples or len({(e.task, e.context_length) for e in examples}) != 1:
@@ -133,7 +157,7 @@ def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence
     length = _round_up(examples[0].context_length + _MAX_NEW, 128)
     shape = dict(pad_id=pad_id, length=length, rows=batch_size)
     for start in range(0, len(examples), batch_size):
-        chunk = examples[start: start + batch_size]
+        chunk = examples[start : start + batch_size]
         prompts = [list(tokenizer.encode(e.prompt)) for e in chunk]
         golds = [list(tokenizer.encode(e.target)) for e in chunk]
         lp += continuation_logprob(logits_fn, prompts, golds, **shape).tolist()
@@ -143,10 +167,20 @@ def score_examples(logits_fn: LogitsFn, tokenizer: Tokenizer, examples: Sequence
             new_tokens = min(max(map(len, golds)) + 4, length - max(map(len, prompts)))
             line_ended = lambda ids: "\n" in tokenizer.decode(ids).lstrip()  # noqa: E731
             outs = greedy_generate(logits_fn, prompts, new_tokens, done=line_ended, **shape)
-            fractions = [match_fraction(answer_line(tokenizer.decode(o)), e.answers) for o, e in zip(outs, chunk)]
+            fractions = [
+                match_fraction(answer_line(tokenizer.decode(o)), e.answers)
+                for o, e in zip(outs, chunk)
+            ]
             pm += fractions
             em += [float(f == 1.0) for f in fractions]
     nan, lp, wrong = float("nan"), np.array(lp), np.array(wrong)
-    return TaskScore(examples[0].task, examples[0].context_length, len(examples),
-                     float(np.mean(em)) if em else nan, float(np.mean(pm)) if pm else nan,
-                     float(lp.mean()), float((lp - wrong).mean()), float((lp > wrong).mean()))
+    return TaskScore(
+        examples[0].task,
+        examples[0].context_length,
+        len(examples),
+        float(np.mean(em)) if em else nan,
+        float(np.mean(pm)) if pm else nan,
+        float(lp.mean()),
+        float((lp - wrong).mean()),
+        float((lp > wrong).mean()),
+    )

@@ -28,24 +28,46 @@ class RulerConfig:
         if not self.context_lengths or min(self.context_lengths) < 64:
             raise ValueError(f"context_lengths: need lengths >= 64, got {self.context_lengths}")
         if self.examples < 1 or self.batch_size < 1:
-            raise ValueError(f"examples, batch_size: must be >= 1, got {self.examples}, {self.batch_size}")
+            raise ValueError(
+                f"examples, batch_size: must be >= 1, got {self.examples}, {self.batch_size}"
+            )
 
 
-def run_ruler(logits_fn: LogitsFn, tokenizer: Tokenizer, config: RulerConfig = RulerConfig(), *,
-              haystack: Optional[Haystack] = None, pad_id: int = 0,
-              log: Callable[[str], None] = lambda _: None) -> list[TaskScore]:
+def run_ruler(
+    logits_fn: LogitsFn,
+    tokenizer: Tokenizer,
+    config: RulerConfig = RulerConfig(),
+    *,
+    haystack: Optional[Haystack] = None,
+    pad_id: int = 0,
+    log: Callable[[str], None] = lambda _: None,
+) -> list[TaskScore]:
     """Scores `logits_fn` on every (task, length) of `config`; the prompts depend only on
     `config` (and the tokenizer), so every model sees the same examples."""
     haystack = haystack or build_haystack()
     scores = []
     for length in config.context_lengths:
         for task in config.tasks:
-            examples = generate(task, length, config.examples, haystack=haystack,
-                                tokenizer=tokenizer, seed=config.seed)
-            score = score_examples(logits_fn, tokenizer, examples, batch_size=config.batch_size,
-                                   pad_id=pad_id, generate=config.generate)
-            log(f"  {task}@{length}: exact {score.exact_match:.3f} logprob {score.gold_logprob:.3f} "
-                f"margin {score.margin:.3f}")
+            examples = generate(
+                task,
+                length,
+                config.examples,
+                haystack=haystack,
+                tokenizer=tokenizer,
+                seed=config.seed,
+            )
+            score = score_examples(
+                logits_fn,
+                tokenizer,
+                examples,
+                batch_size=config.batch_size,
+                pad_id=pad_id,
+                generate=config.generate,
+            )
+            log(
+                f"  {task}@{length}: exact {score.exact_match:.3f} logprob {score.gold_logprob:.3f} "
+                f"margin {score.margin:.3f}"
+            )
             scores.append(score)
     return scores
 
@@ -55,6 +77,8 @@ def summarize(scores: list[TaskScore]) -> dict[int, dict[str, float]]:
     out = {}
     for length in sorted({s.context_length for s in scores}):
         group = [s for s in scores if s.context_length == length]
-        out[length] = {k: sum(getattr(s, k) for s in group) / len(group)
-                       for k in ("exact_match", "partial_match", "gold_logprob", "margin", "choice")}
+        out[length] = {
+            k: sum(getattr(s, k) for s in group) / len(group)
+            for k in ("exact_match", "partial_match", "gold_logprob", "margin", "choice")
+        }
     return out

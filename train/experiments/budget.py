@@ -28,8 +28,9 @@ class Calibration:
     setup_seconds: float
 
 
-def calibrate(make_config: Callable[[int, str, int], object], scratch_dir: str, *,
-              steps: int = 10, hooks=None) -> Calibration:
+def calibrate(
+    make_config: Callable[[int, str, int], object], scratch_dir: str, *, steps: int = 10, hooks=None
+) -> Calibration:
     """Trains `steps` steps in `scratch_dir` (deleted afterwards) and times them.
 
     make_config(steps, run_dir, log_every) -> RunConfig; `hooks` go to `train.loop.train`.
@@ -51,7 +52,9 @@ def calibrate(make_config: Callable[[int, str, int], object], scratch_dir: str, 
     return Calibration(seconds_per_step, max(0.0, wall - steps * seconds_per_step))
 
 
-def steps_for_budget(cal: Calibration, budget_s: float, *, reserve_s: float, margin: float = 0.85) -> int:
+def steps_for_budget(
+    cal: Calibration, budget_s: float, *, reserve_s: float, margin: float = 0.85
+) -> int:
     """Steps that fit in `budget_s` after the run's fixed cost and `reserve_s` (evaluation),
     with `margin` for logging, validation and checkpoints during training."""
     train_s = budget_s - reserve_s - cal.setup_seconds
@@ -60,7 +63,8 @@ def steps_for_budget(cal: Calibration, budget_s: float, *, reserve_s: float, mar
         raise ValueError(
             f"--minutes-per-arm: {budget_s / 60:.1f} min leaves no time to train (set-up "
             f"{cal.setup_seconds:.0f} s, evaluation reserve {reserve_s:.0f} s, "
-            f"{cal.seconds_per_step:.3f} s/step)")
+            f"{cal.seconds_per_step:.3f} s/step)"
+        )
     return steps
 
 
@@ -75,9 +79,18 @@ class Plan:
     charge_s: float
 
 
-def plan(arms: Sequence[str], make_config: Callable[[str, int, str, int], object], scratch_dir: str, *,
-         budget_s: float, reserve_s: float, calibration_steps: int = 10, every_arm: bool = True,
-         hooks=None, log: Callable[[str], None] = print) -> Optional[Plan]:
+def plan(
+    arms: Sequence[str],
+    make_config: Callable[[str, int, str, int], object],
+    scratch_dir: str,
+    *,
+    budget_s: float,
+    reserve_s: float,
+    calibration_steps: int = 10,
+    every_arm: bool = True,
+    hooks=None,
+    log: Callable[[str], None] = print,
+) -> Optional[Plan]:
     """Calibrates `arms` (every one, or only the first that trains) and returns the largest
     step count that fits every calibrated arm into `budget_s` (None if none could train).
 
@@ -89,7 +102,12 @@ def plan(arms: Sequence[str], make_config: Callable[[str, int, str, int], object
             break
         log(f"calibrating {arm} ({calibration_steps} steps)")
         try:
-            cal = calibrate(functools.partial(make_config, arm), scratch_dir, steps=calibration_steps, hooks=hooks)
+            cal = calibrate(
+                functools.partial(make_config, arm),
+                scratch_dir,
+                steps=calibration_steps,
+                hooks=hooks,
+            )
         except (Exception, SystemExit) as e:  # noqa: BLE001 - the arm's own run reports it again
             log(f"  calibration of {arm} failed ({type(e).__name__}: {e})")
             continue
@@ -99,7 +117,9 @@ def plan(arms: Sequence[str], make_config: Callable[[str, int, str, int], object
         return None
     calibration_s = time.perf_counter() - start
     charge_s = calibration_s / len(arms)
-    steps = min(steps_for_budget(c, budget_s - charge_s, reserve_s=reserve_s) for c in calibrations.values())
+    steps = min(
+        steps_for_budget(c, budget_s - charge_s, reserve_s=reserve_s) for c in calibrations.values()
+    )
     return Plan(steps, calibrations, calibration_s, charge_s)
 
 

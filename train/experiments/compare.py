@@ -38,36 +38,75 @@ console = Console()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train.experiments.compare", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m train.experiments.compare", description=__doc__.split("\n")[0]
+    )
     a = p.add_argument
     a("--preset", default="small", help=f"comparison preset: {sorted(presets.PRESETS)}")
     a("--family", default=None, help="model family (default: the train default, gdn_gqa)")
-    a("--arms", default=",".join(presets.DEFAULT_ARMS), help=f"comma-separated, from {presets.ARMS}")
+    a(
+        "--arms",
+        default=",".join(presets.DEFAULT_ARMS),
+        help=f"comma-separated, from {presets.ARMS}",
+    )
     a("--out", required=True, help="report directory, e.g. docs/experiments/NAME")
-    a("--runs-dir", default=None, help="where run dirs and checkpoints go (default runs/compare/<out name>)")
-    a("--steps", type=int, default=None, help="optimizer steps per arm (default: the preset's; "
-      "with --minutes-per-arm: at most this many)")
-    a("--minutes-per-arm", type=float, default=None,
-      help="device-time budget per arm (training + evaluation); steps are calibrated to fit")
-    a("--eval-minutes", type=float, default=None, help="part of each arm's budget kept for evaluation "
-      "(default: a quarter of it, at least 1)")
+    a(
+        "--runs-dir",
+        default=None,
+        help="where run dirs and checkpoints go (default runs/compare/<out name>)",
+    )
+    a(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per arm (default: the preset's; "
+        "with --minutes-per-arm: at most this many)",
+    )
+    a(
+        "--minutes-per-arm",
+        type=float,
+        default=None,
+        help="device-time budget per arm (training + evaluation); steps are calibrated to fit",
+    )
+    a(
+        "--eval-minutes",
+        type=float,
+        default=None,
+        help="part of each arm's budget kept for evaluation (default: a quarter of it, at least 1)",
+    )
     a("--calibration-steps", type=int, default=10)
-    a("--calibrate", default="all", choices=("all", "first"),
-      help="with --minutes-per-arm: time every arm (the slowest sets the step count) or only the first")
+    a(
+        "--calibrate",
+        default="all",
+        choices=("all", "first"),
+        help="with --minutes-per-arm: time every arm (the slowest sets the step count) or only the first",
+    )
     a("--seed", type=int, default=0, help="initialization and data-order seed, shared by all arms")
-    a("--packing", default="concat", choices=config_lib.PACKINGS,
-      help="training windows: plain concatenation (default; cuDNN FP8 attention takes no document "
-           "ids) or document segments")
+    a(
+        "--packing",
+        default="concat",
+        choices=config_lib.PACKINGS,
+        help="training windows: plain concatenation (default; cuDNN FP8 attention takes no document "
+        "ids) or document segments",
+    )
     a("--no-qk-norm", action="store_true", help="the no-QK-norm model variant")
     a("--batch-size", type=int, default=None)
     a("--seq-len", type=int, default=None)
     a("--lr", type=float, default=None)
     a("--attention-implementation", default=None, choices=config_lib.IMPLEMENTATIONS)
-    a("--ruler-lengths", default=None, help="comma-separated context lengths (default: the preset's)")
+    a(
+        "--ruler-lengths",
+        default=None,
+        help="comma-separated context lengths (default: the preset's)",
+    )
     a("--ruler-examples", type=int, default=None, help="examples per task and length")
     a("--no-generate", action="store_true", help="skip greedy decoding (likelihood scores only)")
     a("--skip-done", action="store_true", help="keep arms whose results/<arm>.json says done")
-    a("--report-only", action="store_true", help="rebuild report.md and plots from results/ and metrics/")
+    a(
+        "--report-only",
+        action="store_true",
+        help="rebuild report.md and plots from results/ and metrics/",
+    )
     a("--no-progress", action="store_true", help="no progress bar; print metrics rows as they come")
     return p
 
@@ -75,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _arms(text: str) -> list[str]:
     arms = [a.strip() for a in text.split(",") if a.strip()]
     for arm in arms:
-        presets.unavailable_reason(arm, backend="gpu", packing="concat")  # raises on an unknown name
+        presets.unavailable_reason(
+            arm, backend="gpu", packing="concat"
+        )  # raises on an unknown name
     if not arms or len(set(arms)) != len(arms):
         raise ValueError(f"--arms: need distinct arms, got {text!r}")
     return arms
@@ -88,25 +129,62 @@ def _preset(args) -> presets.ComparePreset:
         try:
             lengths = tuple(int(n) for n in args.ruler_lengths.split(","))
         except ValueError:
-            raise ValueError(f"--ruler-lengths: expected comma-separated integers, got {args.ruler_lengths!r}")
+            raise ValueError(
+                f"--ruler-lengths: expected comma-separated integers, got {args.ruler_lengths!r}"
+            )
         ruler = dataclasses.replace(ruler, context_lengths=lengths)
     if args.ruler_examples:
         ruler = dataclasses.replace(ruler, examples=args.ruler_examples)
     if args.no_generate:
         ruler = dataclasses.replace(ruler, generate=False)
-    return dataclasses.replace(p, ruler=ruler, batch_size=args.batch_size or p.batch_size,
-                               seq_len=args.seq_len or p.seq_len, learning_rate=args.lr or p.learning_rate)
+    return dataclasses.replace(
+        p,
+        ruler=ruler,
+        batch_size=args.batch_size or p.batch_size,
+        seq_len=args.seq_len or p.seq_len,
+        learning_rate=args.lr or p.learning_rate,
+    )
 
 
-def make_run_config(args, preset: presets.ComparePreset, arm: str, steps: int, run_dir: str,
-                    log_every: Optional[int] = None) -> config_lib.RunConfig:
+def make_run_config(
+    args,
+    preset: presets.ComparePreset,
+    arm: str,
+    steps: int,
+    run_dir: str,
+    log_every: Optional[int] = None,
+) -> config_lib.RunConfig:
     """The RunConfig of one arm: everything but `--attention` is shared by all arms."""
     model = f"{args.family}-{preset.model_preset}" if args.family else preset.model_preset
     every = min(preset.eval_every, steps)
-    argv = ["--preset", model, "--attention", arm, "--steps", str(steps), "--seed", str(args.seed),
-            "--run-dir", run_dir, "--batch-size", str(preset.batch_size), "--seq-len", str(preset.seq_len),
-            "--log-every", str(log_every or min(preset.log_every, steps)), "--eval-every", str(every),
-            "--probe-every", str(min(preset.probe_every, steps)), "--packing", args.packing, "--ckpt-every", str(max(1, steps // 4)), "--keep", "1"]
+    argv = [
+        "--preset",
+        model,
+        "--attention",
+        arm,
+        "--steps",
+        str(steps),
+        "--seed",
+        str(args.seed),
+        "--run-dir",
+        run_dir,
+        "--batch-size",
+        str(preset.batch_size),
+        "--seq-len",
+        str(preset.seq_len),
+        "--log-every",
+        str(log_every or min(preset.log_every, steps)),
+        "--eval-every",
+        str(every),
+        "--probe-every",
+        str(min(preset.probe_every, steps)),
+        "--packing",
+        args.packing,
+        "--ckpt-every",
+        str(max(1, steps // 4)),
+        "--keep",
+        "1",
+    ]
     argv += ["--lr", str(preset.learning_rate)] if preset.learning_rate else []
     argv += ["--qk-norm", "off"] if args.no_qk_norm else []
     impl = args.attention_implementation
@@ -116,11 +194,16 @@ def make_run_config(args, preset: presets.ComparePreset, arm: str, steps: int, r
 
 def _train_summary(rows: Sequence[dict]) -> dict:
     """Final train CE (mean of logged losses over the last 10% of steps) and median tokens/s."""
-    losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))
-              and r["step"] >= 0.9 * rows[-1]["step"]]
+    losses = [
+        r["loss"]
+        for r in rows
+        if isinstance(r.get("loss"), (int, float)) and r["step"] >= 0.9 * rows[-1]["step"]
+    ]
     speeds = [r["tokens_per_s"] for r in rows if isinstance(r.get("tokens_per_s"), (int, float))]
-    return dict(train_ce=statistics.mean(losses) if losses else None,
-                tokens_per_s=statistics.median(speeds[1:] or speeds) if speeds else None)
+    return dict(
+        train_ce=statistics.mean(losses) if losses else None,
+        tokens_per_s=statistics.median(speeds[1:] or speeds) if speeds else None,
+    )
 
 
 class _EchoMetrics:
@@ -137,9 +220,13 @@ class _EchoMetrics:
             self.echo()
 
     def echo(self):
-        for r in metrics.read_metrics(self.run_dir)[self._seen:]:
+        for r in metrics.read_metrics(self.run_dir)[self._seen :]:
             self._seen += 1
-            shown = "".join(f"  {k} {report.fmt(r.get(k), '.4g')}" for k in ("loss", "val_ce", "tokens_per_s") if k in r)
+            shown = "".join(
+                f"  {k} {report.fmt(r.get(k), '.4g')}"
+                for k in ("loss", "val_ce", "tokens_per_s")
+                if k in r
+            )
             console.print(f"  [{self.label}] step {r['step']}{shown}")
 
     def __enter__(self):
@@ -156,8 +243,9 @@ class _EchoMetrics:
 EVALUATION_INCOMPLETE = "trained, evaluation incomplete"
 
 
-def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Optional[float],
-            save=None) -> dict:
+def run_arm(
+    args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Optional[float], save=None
+) -> dict:
     """Trains and evaluates one arm; failures are recorded in the result, not raised
     (except a user's Ctrl-C). `save(result)` (optional) is given a provisional result after
     training and after every evaluation part, so a process stopped mid-evaluation keeps
@@ -179,12 +267,17 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
             except KeyboardInterrupt:
                 if not limit.fired:
                     raise
-                return dict(result, status="failed", reason="the time budget ran out before training started")
+                return dict(
+                    result,
+                    status="failed",
+                    reason="the time budget ran out before training started",
+                )
         if trained.status == "interrupted" and not limit.fired:
             raise KeyboardInterrupt
         if trained.status == "interrupted":
-            result.update(status="stopped by time budget",
-                          reason=f"stopped at step {trained.step} of {steps}")
+            result.update(
+                status="stopped by time budget", reason=f"stopped at step {trained.step} of {steps}"
+            )
         result["steps"] = trained.step
     except loop.NonFiniteLoss as e:
         result.update(status="diverged", reason=str(e))
@@ -200,17 +293,30 @@ def run_arm(args, preset, arm: str, steps: int, run_dir: str, train_limit_s: Opt
     def keep(parts: dict):  # provisional record until the evaluation returns
         if save is not None:
             note = "the evaluation did not finish (the process was stopped)"
-            save(dict(result, **parts, status=EVALUATION_INCOMPLETE if result["status"] == "done" else result["status"],
-                      reason=(result["reason"] + "; " if result["reason"] else "") + note,
-                      eval_seconds=time.perf_counter() - start))
+            save(
+                dict(
+                    result,
+                    **parts,
+                    status=EVALUATION_INCOMPLETE
+                    if result["status"] == "done"
+                    else result["status"],
+                    reason=(result["reason"] + "; " if result["reason"] else "") + note,
+                    eval_seconds=time.perf_counter() - start,
+                )
+            )
 
     keep({})
     try:
-        result.update(evaluate.evaluate_run(run_dir, preset, log=console.print, hooks=hooks_for(args.packing),
-                                            on_part=keep))
+        result.update(
+            evaluate.evaluate_run(
+                run_dir, preset, log=console.print, hooks=hooks_for(args.packing), on_part=keep
+            )
+        )
     except Exception as e:  # e.g. a diverged run without a checkpoint
         traceback.print_exc()
-        result["reason"] = (result["reason"] + "; " if result["reason"] else "") + f"evaluation failed: {e}"
+        result["reason"] = (
+            result["reason"] + "; " if result["reason"] else ""
+        ) + f"evaluation failed: {e}"
     result["eval_seconds"] = time.perf_counter() - start
     return result
 
@@ -233,18 +339,31 @@ def _plan_steps(args, preset, arms: Sequence[str], runs_dir: str) -> tuple[int, 
     reserve_s = 60 * args.eval_minutes if args.eval_minutes is not None else max(60.0, budget_s / 4)
     runnable = [a for a in arms if presets.unavailable_reason(a, packing=args.packing) is None]
     p = budget_lib.plan(
-        runnable, lambda arm, steps, run_dir, log_every: make_run_config(args, preset, arm, steps, run_dir, log_every),
-        os.path.join(runs_dir, "_calibration"), budget_s=budget_s, reserve_s=reserve_s,
-        calibration_steps=args.calibration_steps, every_arm=args.calibrate == "all",
-        hooks=hooks_for(args.packing), log=console.print)
+        runnable,
+        lambda arm, steps, run_dir, log_every: make_run_config(
+            args, preset, arm, steps, run_dir, log_every
+        ),
+        os.path.join(runs_dir, "_calibration"),
+        budget_s=budget_s,
+        reserve_s=reserve_s,
+        calibration_steps=args.calibration_steps,
+        every_arm=args.calibrate == "all",
+        hooks=hooks_for(args.packing),
+        log=console.print,
+    )
     if p is None:
         return args.steps or preset.steps, reserve_s, {}
     steps = min(p.steps, args.steps) if args.steps else p.steps
     console.print(f"{steps} steps per arm")
-    speeds = ", ".join(f"{a} {c.seconds_per_step:.3f} s/step (set-up {c.setup_seconds:.0f} s)"
-                       for a, c in p.calibrations.items())
-    return steps, reserve_s, dict(budget_s=budget_s, calibration_s=p.calibration_s, charge_s=p.charge_s,
-                                  speeds=speeds)
+    speeds = ", ".join(
+        f"{a} {c.seconds_per_step:.3f} s/step (set-up {c.setup_seconds:.0f} s)"
+        for a, c in p.calibrations.items()
+    )
+    return (
+        steps,
+        reserve_s,
+        dict(budget_s=budget_s, calibration_s=p.calibration_s, charge_s=p.charge_s, speeds=speeds),
+    )
 
 
 def _setup_lines(args, preset, steps: int, notes: dict) -> list[str]:
@@ -263,25 +382,38 @@ def _setup_lines(args, preset, steps: int, notes: dict) -> list[str]:
         f"{', '.join(map(str, preset.ruler.context_lengths))}; {preset.ruler.examples} examples each",
     ]
     if notes:
-        lines.append(f"Budget: {notes['budget_s'] / 60:.1f} min per arm; calibration {notes['calibration_s']:.0f} s: "
-                     f"{notes['speeds']}")
+        lines.append(
+            f"Budget: {notes['budget_s'] / 60:.1f} min per arm; calibration {notes['calibration_s']:.0f} s: "
+            f"{notes['speeds']}"
+        )
     return lines
 
 
 def finish(out: str, arms: Sequence[str], setup: Sequence[str]) -> str:
     """Plots and report.md from results/<arm>.json and metrics/<arm>/metrics.jsonl under `out`."""
-    results = [_read_json(os.path.join(out, "results", f"{a}.json")) for a in arms
-               if os.path.exists(os.path.join(out, "results", f"{a}.json"))]
-    logged = [os.path.join(out, "metrics", r["arm"]) for r in results
-              if metrics.read_metrics(os.path.join(out, "metrics", r["arm"]))]
+    results = [
+        _read_json(os.path.join(out, "results", f"{a}.json"))
+        for a in arms
+        if os.path.exists(os.path.join(out, "results", f"{a}.json"))
+    ]
+    logged = [
+        os.path.join(out, "metrics", r["arm"])
+        for r in results
+        if metrics.read_metrics(os.path.join(out, "metrics", r["arm"]))
+    ]
     try:
         made = plot.plot_runs(logged, out) if logged else []
     except Exception:  # noqa: BLE001 - a report without plots beats none
         traceback.print_exc()
         made = []
     title = f"Attention arms compared: {os.path.basename(os.path.abspath(out))}"
-    return report.write_report(os.path.join(out, "report.md"), results, title=title, setup=setup,
-                               plots={os.path.splitext(os.path.basename(p))[0]: p for p in made})
+    return report.write_report(
+        os.path.join(out, "report.md"),
+        results,
+        title=title,
+        setup=setup,
+        plots={os.path.splitext(os.path.basename(p))[0]: p for p in made},
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -295,7 +427,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     out = args.out
-    runs_dir = args.runs_dir or os.path.join("runs", "compare", os.path.basename(os.path.abspath(out)))
+    runs_dir = args.runs_dir or os.path.join(
+        "runs", "compare", os.path.basename(os.path.abspath(out))
+    )
     os.makedirs(out, exist_ok=True)
     if args.report_only:
         setup = _read_json(os.path.join(out, "setup.json"))["lines"]
@@ -304,31 +438,45 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_path = os.path.join(out, "setup.json")
     if args.skip_done and os.path.exists(setup_path):  # continue: same steps as the arms kept
         saved = _read_json(setup_path)
-        steps, reserve_s, notes, setup = saved["steps"], saved["reserve_s"], saved["notes"], saved["lines"]
+        steps, reserve_s, notes, setup = (
+            saved["steps"],
+            saved["reserve_s"],
+            saved["notes"],
+            saved["lines"],
+        )
         console.print(f"continuing the comparison in {out}: {steps} steps per arm")
     else:
         steps, reserve_s, notes = _plan_steps(args, preset, arms, runs_dir)
         setup = _setup_lines(args, preset, steps, notes)
-        _write_json(setup_path, dict(lines=setup, arms=arms, steps=steps, reserve_s=reserve_s, notes=notes))
+        _write_json(
+            setup_path, dict(lines=setup, arms=arms, steps=steps, reserve_s=reserve_s, notes=notes)
+        )
     for i, arm in enumerate(arms):
         path = os.path.join(out, "results", f"{arm}.json")
         if args.skip_done and os.path.exists(path) and _read_json(path)["status"] == "done":
             console.print(f"[dim]{arm}: kept from an earlier run[/dim]")
             continue
         console.rule(f"[bold]arm {i + 1}/{len(arms)}: {arm}[/bold] ({steps} steps)")
-        limit = notes["budget_s"] - reserve_s - notes["charge_s"] if notes else None  # training time
+        limit = (
+            notes["budget_s"] - reserve_s - notes["charge_s"] if notes else None
+        )  # training time
         run_dir, logged = os.path.join(runs_dir, arm), os.path.join(out, "metrics", arm)
         shutil.rmtree(logged, ignore_errors=True)  # from an earlier comparison
 
         def save(result, path=path, run_dir=run_dir, logged=logged):
-            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):  # plots are labelled by folder
+            if os.path.exists(
+                os.path.join(run_dir, "metrics.jsonl")
+            ):  # plots are labelled by folder
                 os.makedirs(logged, exist_ok=True)
                 shutil.copy(os.path.join(run_dir, "metrics.jsonl"), logged)
             _write_json(path, result)
 
         result = run_arm(args, preset, arm, steps, run_dir, limit, save=save)
         save(result)
-        console.print(f"{arm}: {result['status']}" + (f" ({result['reason']})" if result.get("reason") else ""))
+        console.print(
+            f"{arm}: {result['status']}"
+            + (f" ({result['reason']})" if result.get("reason") else "")
+        )
         finish(out, arms, setup)  # a report after every arm: a killed run still leaves one
     path = finish(out, arms, setup)
     with open(path) as f:

@@ -16,7 +16,7 @@ from flax import nnx
 
 from train import data as data_lib
 from train import loop
-from train.eval import (masking_probe, residual_probe, residual_ratio, run_ruler, summarize)
+from train.eval import masking_probe, residual_probe, residual_ratio, run_ruler, summarize
 from train.experiments.presets import ComparePreset
 
 
@@ -24,16 +24,21 @@ def jit_with_model(model, fn: Callable, static_argnames: tuple[str, ...] = ()) -
     """`fn(model, *args, **kwargs)` jitted over the model's state: returns a callable of
     (*args, **kwargs) (one compile per input shape and static arguments)."""
     graphdef, state = nnx.split(model)
-    jitted = jax.jit(lambda state, *a, **kw: fn(nnx.merge(graphdef, state), *a, **kw),
-                     static_argnames=static_argnames)
+    jitted = jax.jit(
+        lambda state, *a, **kw: fn(nnx.merge(graphdef, state), *a, **kw),
+        static_argnames=static_argnames,
+    )
     return functools.partial(jitted, state)
 
 
 def model_logits_fn(model) -> Callable:
     """A jitted `logits_fn(tokens_BT, *, segment_ids=None, ablate_attention_layers=()) -> [B,T,V]`
     of a language model taking those arguments."""
-    forward = jit_with_model(model, lambda m, t, s, ablate: m(t, segment_ids=s, ablate_attention_layers=ablate),
-                             static_argnames=("ablate",))
+    forward = jit_with_model(
+        model,
+        lambda m, t, s, ablate: m(t, segment_ids=s, ablate_attention_layers=ablate),
+        static_argnames=("ablate",),
+    )
 
     def logits_fn(tokens_BT, *, segment_ids=None, ablate_attention_layers=()):
         segments = None if segment_ids is None else jnp.asarray(segment_ids)
@@ -49,7 +54,9 @@ def final_gains(model, hooks) -> dict[int, dict[str, float]]:
     out = {}
     for layer, (g_q, g_k) in sorted(hooks.qk_gains(model).items()):
         stats = hooks.gain_statistics(g_q, g_k)
-        out[int(layer)] = {k: float(np.asarray(stats[k]).max()) for k in ("max_gain", "top1_share", "top4_share")}
+        out[int(layer)] = {
+            k: float(np.asarray(stats[k]).max()) for k in ("max_gain", "top1_share", "top4_share")
+        }
     return out
 
 
@@ -58,7 +65,9 @@ def _masking(model, cfg, preset, batches, logits_fn) -> dict:
     if not layers:
         return {}
     masked = masking_probe(logits_fn, batches, layers[-1])
-    return dict(val_ce=masked.ce, masking=dataclasses.asdict(masked) | {"increase": masked.increase})
+    return dict(
+        val_ce=masked.ce, masking=dataclasses.asdict(masked) | {"increase": masked.increase}
+    )
 
 
 def _residuals(model, cfg, preset, batches, hooks, implementation) -> dict:
@@ -68,12 +77,19 @@ def _residuals(model, cfg, preset, batches, hooks, implementation) -> dict:
         return {}
     rows = {k: (None if v is None else v[: preset.probe_rows]) for k, v in batches[0].items()}
     probe = jit_with_model(model, lambda m, t, y, s: hooks.attention_probe(m, t, y, segment_ids=s))
-    row_sums = jax.jit(functools.partial(hooks.row_sum_residuals, implementation=implementation),
-                       static_argnames=("causal", "delta"))
+    row_sums = jax.jit(
+        functools.partial(hooks.row_sum_residuals, implementation=implementation),
+        static_argnames=("causal", "delta"),
+    )
     segments = None if rows["segments"] is None else jnp.asarray(rows["segments"])
-    stats = residual_probe(lambda t, y: probe(jnp.asarray(t), jnp.asarray(y), segments), row_sums, rows)
-    return dict(residuals=[dataclasses.asdict(s) for s in stats], residual_ratio_post=residual_ratio(stats),
-                residual_ratio_pre=residual_ratio(stats, stage="pre_cast"))
+    stats = residual_probe(
+        lambda t, y: probe(jnp.asarray(t), jnp.asarray(y), segments), row_sums, rows
+    )
+    return dict(
+        residuals=[dataclasses.asdict(s) for s in stats],
+        residual_ratio_post=residual_ratio(stats),
+        residual_ratio_pre=residual_ratio(stats, stage="pre_cast"),
+    )
 
 
 def _residuals_or_reference(model, cfg, preset, batches, hooks, implementation, log) -> dict:
@@ -82,10 +98,14 @@ def _residuals_or_reference(model, cfg, preset, batches, hooks, implementation, 
     except Exception as e:  # noqa: BLE001 - retried below
         if implementation == "reference":
             raise
-        log(f"    implementation {implementation or 'default'} failed ({type(e).__name__}: {e}); "
-            "using the reference implementation")
-        return dict(_residuals(model, cfg, preset, batches, hooks, "reference"),
-                    residual_implementation="reference")
+        log(
+            f"    implementation {implementation or 'default'} failed ({type(e).__name__}: {e}); "
+            "using the reference implementation"
+        )
+        return dict(
+            _residuals(model, cfg, preset, batches, hooks, "reference"),
+            residual_implementation="reference",
+        )
 
 
 def _ruler(cfg, preset, logits_fn, log) -> dict:
@@ -93,8 +113,14 @@ def _ruler(cfg, preset, logits_fn, log) -> dict:
     return dict(ruler=[dataclasses.asdict(s) for s in scores], ruler_summary=summarize(scores))
 
 
-def evaluate_run(run_dir: str, preset: ComparePreset, *, log: Callable[[str], None] = print,
-                 hooks=None, on_part: Optional[Callable[[dict], None]] = None) -> dict:
+def evaluate_run(
+    run_dir: str,
+    preset: ComparePreset,
+    *,
+    log: Callable[[str], None] = print,
+    hooks=None,
+    on_part: Optional[Callable[[dict], None]] = None,
+) -> dict:
     """Every evaluation of the run in `run_dir` as a JSON-ready dict (see `report.py`).
 
     Each part runs on its own: one that fails is logged and named in `errors` (part ->
@@ -113,8 +139,14 @@ def evaluate_run(run_dir: str, preset: ComparePreset, *, log: Callable[[str], No
     impl = dict(cfg.model.overrides).get("attention_implementation")
     parts = [
         ("gains", lambda: dict(gains=final_gains(model, hooks))),
-        ("validation CE and masking probe", lambda: _masking(model, cfg, preset, batches, logits_fn)),
-        ("dS row-sum residual probe", lambda: _residuals_or_reference(model, cfg, preset, batches, hooks, impl, log)),
+        (
+            "validation CE and masking probe",
+            lambda: _masking(model, cfg, preset, batches, logits_fn),
+        ),
+        (
+            "dS row-sum residual probe",
+            lambda: _residuals_or_reference(model, cfg, preset, batches, hooks, impl, log),
+        ),
         ("long-context suite", lambda: _ruler(cfg, preset, logits_fn, log)),
     ]
     out: dict = {"errors": {}}

@@ -41,9 +41,11 @@ def concat_hooks(base: Optional[model_lib.ModelHooks] = None) -> model_lib.Model
         return base.attention_probe(model.inner, tokens_BT, targets_BT)
 
     return dataclasses.replace(
-        base, build=lambda cfg: IgnoreSegments(base.build(cfg)),
+        base,
+        build=lambda cfg: IgnoreSegments(base.build(cfg)),
         qk_gains=None if base.qk_gains is None else (lambda model: base.qk_gains(model.inner)),
-        attention_probe=None if base.attention_probe is None else probe)
+        attention_probe=None if base.attention_probe is None else probe,
+    )
 
 
 def hooks_for(packing: str) -> Optional[model_lib.ModelHooks]:

@@ -45,14 +45,35 @@ class ComparePreset:
 
 PRESETS = {
     # CPU smoke test: a few steps of the tiny model, short contexts.
-    "tiny": ComparePreset("tiny", batch_size=2, seq_len=64, steps=4, log_every=1, eval_every=2, probe_every=0,
-                          val_batches=1, probe_rows=1,
-                          ruler=RulerConfig(context_lengths=(512,), tasks=("niah_single", "frequent_words"),
-                                            examples=2, batch_size=2)),
+    "tiny": ComparePreset(
+        "tiny",
+        batch_size=2,
+        seq_len=64,
+        steps=4,
+        log_every=1,
+        eval_every=2,
+        probe_every=0,
+        val_batches=1,
+        probe_rows=1,
+        ruler=RulerConfig(
+            context_lengths=(512,),
+            tasks=("niah_single", "frequent_words"),
+            examples=2,
+            batch_size=2,
+        ),
+    ),
     # One GPU, minutes per arm.
-    "small": ComparePreset("small", batch_size=16, seq_len=2048, steps=500, log_every=10, eval_every=50,
-                           val_batches=16, probe_rows=2,
-                           ruler=RulerConfig(context_lengths=(2048, 4096), examples=8, batch_size=8)),
+    "small": ComparePreset(
+        "small",
+        batch_size=16,
+        seq_len=2048,
+        steps=500,
+        log_every=10,
+        eval_every=50,
+        val_batches=16,
+        probe_rows=2,
+        ruler=RulerConfig(context_lengths=(2048, 4096), examples=8, batch_size=8),
+    ),
 }
 
 
@@ -62,7 +83,9 @@ def get_preset(name: str) -> ComparePreset:
     return PRESETS[name]
 
 
-def unavailable_reason(arm: str, backend: Optional[str] = None, packing: str = "concat") -> Optional[str]:
+def unavailable_reason(
+    arm: str, backend: Optional[str] = None, packing: str = "concat"
+) -> Optional[str]:
     """Why `arm` cannot run on this machine with this data `packing` (None if it can).
     `backend` defaults to JAX's."""
     if arm not in ARMS:

@@ -24,7 +24,8 @@ LEGEND = (
     "retrieval). Max QK gain / top-1 share: worst attention layer. Masking dCE: validation CE "
     "increase when the last attention layer's output is zeroed. Post-cast ratio: mean normalized dS "
     "row-sum residual after the FP8 cast, stale delta over Delta-Matching, on this arm's trained "
-    "activations (mean over layers).")
+    "activations (mean over layers)."
+)
 
 
 def fmt(x, spec: str = ".4f") -> str:
@@ -51,22 +52,45 @@ def _lengths(results) -> list[str]:
 def summary_table(results: Sequence[Mapping]) -> list[str]:
     """One row per arm: losses, long-context means, worst gain layer, probes, throughput."""
     lengths = _lengths(results)
-    header = (["arm", "status", "steps", "train CE", "val CE"]
-              + [f"RULER-{n} EM / logprob / margin" for n in lengths]
-              + ["max QK gain", "max top-1 share", "masking dCE", "post-cast ratio stale/matched", "tokens/s"])
+    header = (
+        ["arm", "status", "steps", "train CE", "val CE"]
+        + [f"RULER-{n} EM / logprob / margin" for n in lengths]
+        + [
+            "max QK gain",
+            "max top-1 share",
+            "masking dCE",
+            "post-cast ratio stale/matched",
+            "tokens/s",
+        ]
+    )
     rows = []
     for r in results:
         gains = (r.get("gains") or {}).values()
         summ = r.get("ruler_summary") or {}
-        ruler = [" / ".join(fmt((summ.get(n) or {}).get(k), ".3f") for k in ("exact_match", "gold_logprob", "margin"))
-                 for n in lengths]
-        rows.append([r["arm"], r["status"], fmt(r.get("steps"), "d"), fmt(r.get("train_ce")),
-                     fmt(r.get("val_ce"))] + ruler + [
-            fmt(max((g["max_gain"] for g in gains), default=None), ".3f"),
-            fmt(max((g["top1_share"] for g in gains), default=None), ".3f"),
-            fmt((r.get("masking") or {}).get("increase")),
-            fmt(_mean((r.get("residual_ratio_post") or {}).values()), ".2f"),
-            fmt(r.get("tokens_per_s"), ",.0f")])
+        ruler = [
+            " / ".join(
+                fmt((summ.get(n) or {}).get(k), ".3f")
+                for k in ("exact_match", "gold_logprob", "margin")
+            )
+            for n in lengths
+        ]
+        rows.append(
+            [
+                r["arm"],
+                r["status"],
+                fmt(r.get("steps"), "d"),
+                fmt(r.get("train_ce")),
+                fmt(r.get("val_ce")),
+            ]
+            + ruler
+            + [
+                fmt(max((g["max_gain"] for g in gains), default=None), ".3f"),
+                fmt(max((g["top1_share"] for g in gains), default=None), ".3f"),
+                fmt((r.get("masking") or {}).get("increase")),
+                fmt(_mean((r.get("residual_ratio_post") or {}).values()), ".2f"),
+                fmt(r.get("tokens_per_s"), ",.0f"),
+            ]
+        )
     return _table(header, rows)
 
 
@@ -77,9 +101,14 @@ def arm_section(r: Mapping) -> list[str]:
         lines += [f"Status: **{r['status']}**: {r['reason']}", ""]
     if r["status"] == "not run":
         return lines
-    lines += [f"Trained {fmt(r.get('steps'), 'd')} steps in {fmt(r.get('train_seconds'), '.0f')} s; "
-              f"evaluated in {fmt(r.get('eval_seconds'), '.0f')} s.", ""]
-    lines += [f"- evaluation part failed: {name}: {msg}" for name, msg in (r.get("errors") or {}).items()]
+    lines += [
+        f"Trained {fmt(r.get('steps'), 'd')} steps in {fmt(r.get('train_seconds'), '.0f')} s; "
+        f"evaluated in {fmt(r.get('eval_seconds'), '.0f')} s.",
+        "",
+    ]
+    lines += [
+        f"- evaluation part failed: {name}: {msg}" for name, msg in (r.get("errors") or {}).items()
+    ]
     if r.get("residual_implementation"):
         lines.append(f"- residual probe ran with the {r['residual_implementation']} implementation")
     lines += [""] if r.get("errors") or r.get("residual_implementation") else []
@@ -89,38 +118,74 @@ def arm_section(r: Mapping) -> list[str]:
     by = {(int(x["layer"]), x["delta"]): x for x in res}
     if layers:
         header = ["attention layer", "max gain", "top-1 share", "top-4 share"] + [
-            f"residual {m} pre / post" for m in modes]
+            f"residual {m} pre / post" for m in modes
+        ]
         rows = []
         for layer in layers:
             g = gains.get(str(layer), gains.get(layer, {}))
-            rows.append([str(layer), fmt(g.get("max_gain"), ".3f"), fmt(g.get("top1_share"), ".3f"),
-                         fmt(g.get("top4_share"), ".3f")] + [
-                f"{fmt(by.get((layer, m), {}).get('pre_cast'), '.2e')} / "
-                f"{fmt(by.get((layer, m), {}).get('post_cast'), '.2e')}" for m in modes])
+            rows.append(
+                [
+                    str(layer),
+                    fmt(g.get("max_gain"), ".3f"),
+                    fmt(g.get("top1_share"), ".3f"),
+                    fmt(g.get("top4_share"), ".3f"),
+                ]
+                + [
+                    f"{fmt(by.get((layer, m), {}).get('pre_cast'), '.2e')} / "
+                    f"{fmt(by.get((layer, m), {}).get('post_cast'), '.2e')}"
+                    for m in modes
+                ]
+            )
         lines += _table(header, rows) + [""]
     m = r.get("masking")
     if m:
-        lines += [f"Masking probe (attention layer {m['layer']} output zeroed): validation CE "
-                  f"{fmt(m['ce'])} -> {fmt(m['ce_masked'])} (+{fmt(m['increase'])}).", ""]
+        lines += [
+            f"Masking probe (attention layer {m['layer']} output zeroed): validation CE "
+            f"{fmt(m['ce'])} -> {fmt(m['ce_masked'])} (+{fmt(m['increase'])}).",
+            "",
+        ]
     if r.get("ruler"):
         keys = ("exact_match", "partial_match", "gold_logprob", "margin", "choice")
-        lines += _table(["task", "context", "n", "exact match", "partial match", "gold logprob/token",
-                         "margin over distractor", "gold preferred"],
-                        [[s["task"], str(s["context_length"]), str(s["n"])] + [fmt(s.get(k), ".3f") for k in keys]
-                         for s in r["ruler"]])
+        lines += _table(
+            [
+                "task",
+                "context",
+                "n",
+                "exact match",
+                "partial match",
+                "gold logprob/token",
+                "margin over distractor",
+                "gold preferred",
+            ],
+            [
+                [s["task"], str(s["context_length"]), str(s["n"])]
+                + [fmt(s.get(k), ".3f") for k in keys]
+                for s in r["ruler"]
+            ],
+        )
         lines.append("")
     return lines
 
 
-def write_report(path: str, results: Sequence[Mapping], *, title: str, setup: Sequence[str],
-                 plots: Mapping[str, str]) -> str:
+def write_report(
+    path: str,
+    results: Sequence[Mapping],
+    *,
+    title: str,
+    setup: Sequence[str],
+    plots: Mapping[str, str],
+) -> str:
     """Writes the markdown report to `path` (plots linked relative to it); returns the path."""
     here = os.path.dirname(path)
     lines = [f"# {title}", "", *[f"- {s}" for s in setup], "", "## Summary", ""]
     lines += summary_table(results)
     lines += ["", LEGEND, ""]
     if plots:
-        lines += ["## Plots", ""] + [f"![{name}]({os.path.relpath(p, here)})" for name, p in plots.items()] + [""]
+        lines += (
+            ["## Plots", ""]
+            + [f"![{name}]({os.path.relpath(p, here)})" for name, p in plots.items()]
+            + [""]
+        )
     lines += ["## Arms", ""]
     for r in results:
         lines += arm_section(r)

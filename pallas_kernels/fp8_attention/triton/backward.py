@@ -13,6 +13,7 @@ and, when causal, starts at the first query tile that sees key tile j.
 With ``with_stats`` the dQ pass also returns the dS row statistics (sum_j dS_ij and
 sum_j |dS_ij| before and after the cast) for the diagnostics.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,14 +36,29 @@ def _ds_tile(p, dp, delta, precision):
 
 
 def _dq_kernel(
-    q_ref, inv_q_ref, k_ref, inv_k_ref, kt_ref, do_ref, inv_do_ref, v_ref, inv_v_ref,
-    lse_ref, delta_ref, *rest,
-    mask: MaskSpec, sm_scale: float, precision: str, block_q: int, block_k: int, n_k: int,
+    q_ref,
+    inv_q_ref,
+    k_ref,
+    inv_k_ref,
+    kt_ref,
+    do_ref,
+    inv_do_ref,
+    v_ref,
+    inv_v_ref,
+    lse_ref,
+    delta_ref,
+    *rest,
+    mask: MaskSpec,
+    sm_scale: float,
+    precision: str,
+    block_q: int,
+    block_k: int,
+    n_k: int,
     with_stats: bool,
 ):
     n_seg = 2 if mask.segments else 0
     q_seg_ref, kv_seg_ref = rest[:n_seg] if n_seg else (None, None)
-    dq_ref, stat_refs = rest[n_seg], rest[n_seg + 1:]
+    dq_ref, stat_refs = rest[n_seg], rest[n_seg + 1 :]
     i = pl.program_id(0)
     q8, inv_q = q_ref[...], inv_q_ref[...]
     do8, inv_do = do_ref[...], inv_do_ref[...]
@@ -59,8 +75,17 @@ def _dq_kernel(
             valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
         inv_k = inv_k_ref[keys]
         p, dp = common.probs_and_dp(
-            q8, inv_q, k_ref[keys, :], inv_k, do8, inv_do, v_ref[keys, :], inv_v_ref[keys],
-            lse, valid, sm_scale,
+            q8,
+            inv_q,
+            k_ref[keys, :],
+            inv_k,
+            do8,
+            inv_do,
+            v_ref[keys, :],
+            inv_v_ref[keys],
+            lse,
+            valid,
+            sm_scale,
         )
         ds, ds8, ds_scale = _ds_tile(p, dp, delta, precision)
         descale = (sm_scale / ds_scale) * common.tile_scalar(inv_k)
@@ -84,9 +109,25 @@ def _dq_kernel(
 
 
 def _dkdv_kernel(
-    q_ref, qt_ref, inv_q_ref, k_ref, inv_k_ref, v_ref, inv_v_ref, do_ref, dot_ref,
-    inv_do_ref, lse_ref, delta_ref, *rest,
-    mask: MaskSpec, sm_scale: float, precision: str, block_q: int, block_k: int, n_q: int,
+    q_ref,
+    qt_ref,
+    inv_q_ref,
+    k_ref,
+    inv_k_ref,
+    v_ref,
+    inv_v_ref,
+    do_ref,
+    dot_ref,
+    inv_do_ref,
+    lse_ref,
+    delta_ref,
+    *rest,
+    mask: MaskSpec,
+    sm_scale: float,
+    precision: str,
+    block_q: int,
+    block_k: int,
+    n_q: int,
     group: int,
 ):
     if mask.segments:
@@ -110,8 +151,17 @@ def _dkdv_kernel(
                 q_seg = q_seg_ref[rows] if mask.segments else None
                 valid = common.valid_mask(mask, common.positions(i, block_q), k_pos, q_seg, k_seg)
             p, dp = common.probs_and_dp(
-                q_ref[g, rows, :], inv_q, k8, inv_k, do_ref[g, rows, :], inv_do, v8, inv_v,
-                lse_ref[g, rows], valid, sm_scale,
+                q_ref[g, rows, :],
+                inv_q,
+                k8,
+                inv_k,
+                do_ref[g, rows, :],
+                inv_do,
+                v8,
+                inv_v,
+                lse_ref[g, rows],
+                valid,
+                sm_scale,
             )
             _, ds8, ds_scale = _ds_tile(p, dp, delta_ref[g, rows], precision)
             # dK_j += dS^^T Q^ (Q^T K-major), dV_j += (P*256)^^T dO^ (dO^T K-major)
@@ -132,9 +182,25 @@ def _dkdv_kernel(
 
 
 def dq_pass(
-    q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
-    precision: str, block_q: int, block_k: int, num_warps: int, num_stages: int,
-    interpret: bool, with_stats: bool = False, fp8_accumulation: str = "precise",
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    mask: MaskSpec,
+    sm_scale: float,
+    precision: str,
+    block_q: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    with_stats: bool = False,
+    fp8_accumulation: str = "precise",
 ):
     """dQ [B, Hq, Tp, Dqk] f32 (and, with ``with_stats``, four [B, Hq, Tp] row statistics).
 
@@ -144,12 +210,31 @@ def dq_pass(
     b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
     specs = common.QueryGridSpecs(block_q, group)
     in_specs = [
-        specs.q_tile(dqk), specs.q_rows(), specs.kv_whole(sp, dqk), specs.kv_rows(sp),
-        specs.kv_whole(dqk, sp), specs.q_tile(dv), specs.q_rows(), specs.kv_whole(sp, dv),
-        specs.kv_rows(sp), specs.q_rows(), specs.q_rows(),
+        specs.q_tile(dqk),
+        specs.q_rows(),
+        specs.kv_whole(sp, dqk),
+        specs.kv_rows(sp),
+        specs.kv_whole(dqk, sp),
+        specs.q_tile(dv),
+        specs.q_rows(),
+        specs.kv_whole(sp, dv),
+        specs.kv_rows(sp),
+        specs.q_rows(),
+        specs.q_rows(),
     ]
-    args = [q.values, q.inv_scale, k.values, k.inv_scale, k.values_t, do.values,
-            do.inv_scale, v.values, v.inv_scale, lse, delta]
+    args = [
+        q.values,
+        q.inv_scale,
+        k.values,
+        k.inv_scale,
+        k.values_t,
+        do.values,
+        do.inv_scale,
+        v.values,
+        v.inv_scale,
+        lse,
+        delta,
+    ]
     if mask.segments:
         in_specs += specs.segments(sp)
         args += [q_seg, kv_seg]
@@ -158,8 +243,14 @@ def dq_pass(
     out_shape = [jax.ShapeDtypeStruct((b, hq, tp, dqk), F32)]
     out_shape += [jax.ShapeDtypeStruct((b, hq, tp), F32)] * n_stats
     kernel = functools.partial(
-        _dq_kernel, mask=mask, sm_scale=sm_scale, precision=precision, block_q=block_q,
-        block_k=block_k, n_k=sp // block_k, with_stats=with_stats,
+        _dq_kernel,
+        mask=mask,
+        sm_scale=sm_scale,
+        precision=precision,
+        block_q=block_q,
+        block_k=block_k,
+        n_k=sp // block_k,
+        with_stats=with_stats,
     )
     outs = pl.pallas_call(
         kernel,
@@ -175,9 +266,24 @@ def dq_pass(
 
 
 def dkdv_pass(
-    q, k, v, do, lse, delta, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
-    precision: str, block_q: int, block_k: int, num_warps: int, num_stages: int,
-    interpret: bool, fp8_accumulation: str = "precise",
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    mask: MaskSpec,
+    sm_scale: float,
+    precision: str,
+    block_q: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    fp8_accumulation: str = "precise",
 ):
     """dK [B, Hkv, Sp, Dqk], dV [B, Hkv, Sp, Dv] f32, summed over each kv head's query group.
 
@@ -206,9 +312,20 @@ def dkdv_pass(
         pl.BlockSpec((None, None, group, tp), whole3),
         pl.BlockSpec((None, None, group, tp), whole3),
     ]
-    args = [grouped(q.values), grouped(q.values_t), grouped(q.inv_scale), k.values,
-            k.inv_scale, v.values, v.inv_scale, grouped(do.values), grouped(do.values_t),
-            grouped(do.inv_scale), grouped(lse), grouped(delta)]
+    args = [
+        grouped(q.values),
+        grouped(q.values_t),
+        grouped(q.inv_scale),
+        k.values,
+        k.inv_scale,
+        v.values,
+        v.inv_scale,
+        grouped(do.values),
+        grouped(do.values_t),
+        grouped(do.inv_scale),
+        grouped(lse),
+        grouped(delta),
+    ]
     if mask.segments:
         in_specs += [
             pl.BlockSpec((None, tp), lambda j, bi, h: (bi, 0)),
@@ -216,8 +333,14 @@ def dkdv_pass(
         ]
         args += [q_seg, kv_seg]
     kernel = functools.partial(
-        _dkdv_kernel, mask=mask, sm_scale=sm_scale, precision=precision, block_q=block_q,
-        block_k=block_k, n_q=tp // block_q, group=group,
+        _dkdv_kernel,
+        mask=mask,
+        sm_scale=sm_scale,
+        precision=precision,
+        block_q=block_q,
+        block_k=block_k,
+        n_q=tp // block_q,
+        group=group,
     )
     return pl.pallas_call(
         kernel,

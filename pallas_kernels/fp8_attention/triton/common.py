@@ -7,6 +7,7 @@ Notation (one head): hats are decoded FP8 operands, ``inv`` the per-token decode
     dP^ = (dO^ V^^T) * (inv_do * inv_v)            [bq, bk]
 The orientation of both dots ([bq x D] @ [D x bk]) is the same in every pass.
 """
+
 from __future__ import annotations
 
 import functools
@@ -119,7 +120,9 @@ def key_loop(body, init, q_block_index, block_q, block_k, n_k, mask: MaskSpec):
     """
     upper = causal_key_blocks(q_block_index, block_q, block_k, n_k, mask)
     if not mask.causal or mask.every_tile:
-        return lax.fori_loop(0, upper, functools.partial(body, masked=mask.causal or mask.every_tile), init)
+        return lax.fori_loop(
+            0, upper, functools.partial(body, masked=mask.causal or mask.every_tile), init
+        )
     n_full = jnp.minimum(upper, (q_block_index * block_q + 1) // block_k)
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
     return lax.fori_loop(n_full, upper, functools.partial(body, masked=True), carry)

@@ -10,6 +10,7 @@ and dK/dV passes use, with the backward tiles (bwd_block_q x bwd_block_k), the s
 and the same dot orientation, so delta_i cancels the row sums of dS = P (dP^ - delta)
 up to FP32 rounding. The two row dots are XLA reductions (one fused elementwise pass).
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,8 +43,21 @@ def row_dot_delta(mode: str, do_BTHD, o_BTHD, do8, tp: int):
 
 
 def _matched_delta_kernel(
-    q_ref, inv_q_ref, k_ref, inv_k_ref, do_ref, inv_do_ref, v_ref, inv_v_ref, lse_ref, *rest,
-    mask: MaskSpec, sm_scale: float, block_q: int, block_k: int, n_k: int,
+    q_ref,
+    inv_q_ref,
+    k_ref,
+    inv_k_ref,
+    do_ref,
+    inv_do_ref,
+    v_ref,
+    inv_v_ref,
+    lse_ref,
+    *rest,
+    mask: MaskSpec,
+    sm_scale: float,
+    block_q: int,
+    block_k: int,
+    n_k: int,
     fixed_order: bool,
 ):
     if mask.segments:
@@ -64,8 +78,17 @@ def _matched_delta_kernel(
             k_seg = kv_seg_ref[keys] if mask.segments else None
             valid = common.valid_mask(mask, q_pos, common.positions(j, block_k), q_seg, k_seg)
         p, dp = common.probs_and_dp(
-            q8, inv_q, k_ref[keys, :], inv_k_ref[keys], do8, inv_do, v_ref[keys, :],
-            inv_v_ref[keys], lse, valid, sm_scale,
+            q8,
+            inv_q,
+            k_ref[keys, :],
+            inv_k_ref[keys],
+            do8,
+            inv_do,
+            v_ref[keys, :],
+            inv_v_ref[keys],
+            lse,
+            valid,
+            sm_scale,
         )
         # delta_i += sum_j P_ij dP^_ij. The CPU twin sums in the emulation's fixed order
         # (bitwise the same delta); the GPU uses the hardware's row reduction.
@@ -76,8 +99,21 @@ def _matched_delta_kernel(
 
 
 def matched_delta(
-    q, k, v, do, lse, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float,
-    block_q: int, block_k: int, num_warps: int, num_stages: int, interpret: bool,
+    q,
+    k,
+    v,
+    do,
+    lse,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    mask: MaskSpec,
+    sm_scale: float,
+    block_q: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
     fp8_accumulation: str = "precise",
 ):
     """delta_i = sum_j P_ij dP^_ij: [B, Hq, Tp] f32.
@@ -88,18 +124,38 @@ def matched_delta(
     b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
     specs = common.QueryGridSpecs(block_q, group)
     in_specs = [
-        specs.q_tile(dqk), specs.q_rows(), specs.kv_whole(sp, dqk), specs.kv_rows(sp),
-        specs.q_tile(dv), specs.q_rows(), specs.kv_whole(sp, dv), specs.kv_rows(sp),
+        specs.q_tile(dqk),
+        specs.q_rows(),
+        specs.kv_whole(sp, dqk),
+        specs.kv_rows(sp),
+        specs.q_tile(dv),
+        specs.q_rows(),
+        specs.kv_whole(sp, dv),
+        specs.kv_rows(sp),
         specs.q_rows(),
     ]
-    args = [q.values, q.inv_scale, k.values, k.inv_scale, do.values, do.inv_scale,
-            v.values, v.inv_scale, lse]
+    args = [
+        q.values,
+        q.inv_scale,
+        k.values,
+        k.inv_scale,
+        do.values,
+        do.inv_scale,
+        v.values,
+        v.inv_scale,
+        lse,
+    ]
     if mask.segments:
         in_specs += specs.segments(sp)
         args += [q_seg, kv_seg]
     kernel = functools.partial(
-        _matched_delta_kernel, mask=mask, sm_scale=sm_scale, block_q=block_q,
-        block_k=block_k, n_k=sp // block_k, fixed_order=interpret,
+        _matched_delta_kernel,
+        mask=mask,
+        sm_scale=sm_scale,
+        block_q=block_q,
+        block_k=block_k,
+        n_k=sp // block_k,
+        fixed_order=interpret,
     )
     return pl.pallas_call(
         kernel,

@@ -8,6 +8,7 @@ Per (batch, query head, query tile) and key tile j (m, l, acc: FP32 row state):
     O = acc / l (0 for rows with no visible key),  lse = m + log l (+inf there)
 P^ V^ reads V from its K-major copy V^T [Dv, S] (tokens contiguous).
 """
+
 from __future__ import annotations
 
 import functools
@@ -22,8 +23,19 @@ from pallas_kernels.fp8_attention.triton.common import F32, MaskSpec
 
 
 def _forward_kernel(
-    q_ref, inv_q_ref, k_ref, inv_k_ref, vt_ref, inv_v_ref, *rest,
-    mask: MaskSpec, sm_scale: float, precision: str, block_q: int, block_k: int, n_k: int,
+    q_ref,
+    inv_q_ref,
+    k_ref,
+    inv_k_ref,
+    vt_ref,
+    inv_v_ref,
+    *rest,
+    mask: MaskSpec,
+    sm_scale: float,
+    precision: str,
+    block_q: int,
+    block_k: int,
+    n_k: int,
 ):
     if mask.segments:
         q_seg_ref, kv_seg_ref, o_ref, lse_ref = rest
@@ -68,8 +80,21 @@ def _forward_kernel(
 
 
 def forward(
-    q, k, v, q_seg=None, kv_seg=None, *, mask: MaskSpec, sm_scale: float, precision: str,
-    block_q: int, block_k: int, num_warps: int, num_stages: int, out_dtype, interpret: bool,
+    q,
+    k,
+    v,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    mask: MaskSpec,
+    sm_scale: float,
+    precision: str,
+    block_q: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    out_dtype,
+    interpret: bool,
     fp8_accumulation: str = "precise",
 ):
     """Run the forward kernel on quantized, padded operands.
@@ -84,13 +109,22 @@ def forward(
     b, hq, tp, dqk, hkv, sp, dv, group = common.dims(q, k, v)
     grid = (tp // block_q, b, hq)
     kernel = functools.partial(
-        _forward_kernel, mask=mask, sm_scale=sm_scale, precision=precision,
-        block_q=block_q, block_k=block_k, n_k=sp // block_k,
+        _forward_kernel,
+        mask=mask,
+        sm_scale=sm_scale,
+        precision=precision,
+        block_q=block_q,
+        block_k=block_k,
+        n_k=sp // block_k,
     )
     specs = common.QueryGridSpecs(block_q, group)
     in_specs = [
-        specs.q_tile(dqk), specs.q_rows(), specs.kv_whole(sp, dqk), specs.kv_rows(sp),
-        specs.kv_whole(dv, sp), specs.kv_rows(sp),
+        specs.q_tile(dqk),
+        specs.q_rows(),
+        specs.kv_whole(sp, dqk),
+        specs.kv_rows(sp),
+        specs.kv_whole(dv, sp),
+        specs.kv_rows(sp),
     ]
     args = [q.values, q.inv_scale, k.values, k.inv_scale, v.values_t, v.inv_scale]
     if mask.segments:

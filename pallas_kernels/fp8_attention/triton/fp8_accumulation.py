@@ -21,6 +21,7 @@ nothing is patched, :func:`install` warns once and returns False, and the kernel
 the precise path. The mode is part of the name so a kernel never shares a compilation
 cache entry with a kernel of another mode.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -62,6 +63,7 @@ def _lowering_module():
     """jax's Pallas-Triton lowering module, or None if its private API is not as expected."""
     try:
         from jax._src.pallas.triton import lowering
+
         lowering.tt_dialect.dot  # noqa: B018 (probe: the attribute must exist)
         lowering.lower_jaxpr_to_triton_module  # noqa: B018
     except (ImportError, AttributeError):
@@ -102,9 +104,12 @@ def install() -> bool:
     if lowering is None:
         if not _warned:
             _warned.append(True)
-            warnings.warn("FP8 wgmma accumulation is not available with this JAX version "
-                          "(private Pallas-Triton API changed); kernels use the precise path",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "FP8 wgmma accumulation is not available with this JAX version "
+                "(private Pallas-Triton API changed); kernels use the precise path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return False
     original = lowering.lower_jaxpr_to_triton_module
     if getattr(original, "_dm_fp8_accumulation", False):

@@ -13,6 +13,7 @@ out the way the kernels read it:
   * ``inv_scale`` [B, H, Tp] f32: the decode factor 1 / scale of every token (constant
     over each 128-token block, hence over each kernel tile).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional

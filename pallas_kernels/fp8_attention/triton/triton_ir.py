@@ -5,6 +5,7 @@ and returns {kernel name: TTIR text}. Used by tests (what the kernels ask Triton
 benchmarks/kernel_ir.py (compiled further for Hopper). Private JAX API (the Pallas-Triton
 lowering function), as in :mod:`.fp8_accumulation`.
 """
+
 from __future__ import annotations
 
 import jax
