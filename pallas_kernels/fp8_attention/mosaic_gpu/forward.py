@@ -241,13 +241,16 @@ def forward(
                 plgpu.barrier_wait(v_bars.at[slot])
                 plgpu.barrier_wait(schedule)  # tensor cores free
 
-                def pv(acc_ref):  # P^ V8 with V^T K-major (tokens permuted like P^'s columns)
-                    plgpu.wgmma(acc_ref, p8, vt_smem.at[slot].T)
+                def wait_next_k():  # while the P V wgmma runs: the next tile's K
                     nxt = j + 1
 
                     @pl.when(nxt < steps)
                     def _():
                         plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+
+                def pv(acc_ref):  # P^ V8 with V^T K-major (tokens permuted like P^'s columns)
+                    plgpu.wgmma(acc_ref, p8, vt_smem.at[slot].T)
+                    wait_next_k()
 
                 if interpret:  # the GPU interpreter takes A from shared memory, has no run_state
                     p_smem2.at[wg][...] = p8
@@ -258,11 +261,7 @@ def forward(
                         return acc_ref[...]
 
                     acc = acc + pl.run_scoped(pv_interpret, plgpu.ACC((ROWS, dv), jnp.float32))
-                    nxt = j + 1
-
-                    @pl.when(nxt < steps)
-                    def _():
-                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+                    wait_next_k()
                 else:
                     acc = pl.run_state(pv)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
