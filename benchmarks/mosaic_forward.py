@@ -135,6 +135,39 @@ def kernel_only(case: Case, sets, iters, reps, stages):
     return time_step(step, prepared, iters, reps)
 
 
+def quantize_arms():
+    """arm -> step (q, k, v, do) -> the forward's FP8 operands: the quantize pre-pass alone."""
+
+    def through(config):
+        return lambda q, k, v, do: tuple(
+            x.values if x.values is not None else x.values_t
+            for x in ops.quantize_operands(q, k, v, config)
+        )
+
+    def input_layout(q, k, v, do):
+        qil = quantize_in_input_layout
+        return qil(q).values, qil(k).values, qil(v, values=False, k_major=True).values_t
+
+    return {
+        "quantize_q_k_v": through(MosaicConfig(fused_quantize=False)),
+        "quantize_q_k_v_fused_kernel": through(MosaicConfig()),
+        "quantize_q_k_v_input_layout": input_layout,
+    }
+
+
+def timed_row(case_name, causal, arm, timer, flops):
+    """One speed record: ``timer()`` -> (median, min, max) seconds; an error is recorded."""
+    row = dict(case=case_name, causal=causal, arm=arm)
+    try:
+        med, _, _ = timer()
+        row.update(ms=med * 1e3, tflops=flops / med / 1e12)
+    except Exception as e:
+        traceback.print_exc()
+        row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -168,57 +201,18 @@ def main(argv=None):
                 }
             )
             for arm, fn in arms.items():
-                row = dict(case=name, causal=causal, arm=arm)
-                try:
-                    med, lo, hi = time_step(
-                        lambda q, k, v, do, fn=fn: (fn(q, k, v),), sets, args.iters, args.reps
-                    )
-                    row.update(ms=med * 1e3, tflops=case.flops_fwd / med / 1e12)
-                except Exception as e:
-                    traceback.print_exc()
-                    row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
-                print(json.dumps(row), flush=True)
-                result["speed"].append(row)
+                timer = lambda fn=fn: time_step(  # noqa: E731
+                    lambda q, k, v, do: (fn(q, k, v),), sets, args.iters, args.reps
+                )
+                result["speed"].append(timed_row(name, causal, arm, timer, case.flops_fwd))
             if name == "main":
-                row = dict(case=name, causal=causal, arm="quantize_q_k_v")
-                quantize_all = lambda q, k, v, do: tuple(  # noqa: E731
-                    x.values if x.values is not None else x.values_t
-                    for x in ops.quantize_operands(q, k, v, MosaicConfig(fused_quantize=False))
-                )
-                med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
-                row.update(ms=med * 1e3, tflops=0.0)
-                print(json.dumps(row), flush=True)
-                result["speed"].append(row)
-                row = dict(case=name, causal=causal, arm="quantize_q_k_v_fused_kernel")
-                quantize_all = lambda q, k, v, do: tuple(  # noqa: E731
-                    x.values if x.values is not None else x.values_t
-                    for x in ops.quantize_operands(q, k, v, MosaicConfig())
-                )
-                med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
-                row.update(ms=med * 1e3, tflops=0.0)
-                print(json.dumps(row), flush=True)
-                result["speed"].append(row)
-                row = dict(case=name, causal=causal, arm="quantize_q_k_v_input_layout")
-                qil = quantize_in_input_layout
-                quantize_all = lambda q, k, v, do: (
-                    qil(q).values,
-                    qil(k).values,  # noqa: E731
-                    qil(v, values=False, k_major=True).values_t,
-                )
-                med, lo, hi = time_step(quantize_all, sets, args.iters, args.reps)
-                row.update(ms=med * 1e3, tflops=0.0)
-                print(json.dumps(row), flush=True)
-                result["speed"].append(row)
+                for arm, quantize_all in quantize_arms().items():
+                    timer = lambda f=quantize_all: time_step(f, sets, args.iters, args.reps)  # noqa: E731
+                    result["speed"].append(timed_row(name, causal, arm, timer, 0.0))
                 for stages in (2, 3):
-                    row = dict(case=name, causal=causal, arm=f"mosaic_kernel_stages{stages}")
-                    try:
-                        med, lo, hi = kernel_only(case, sets, args.iters, args.reps, stages)
-                        row.update(ms=med * 1e3, tflops=case.flops_fwd / med / 1e12)
-                    except Exception as e:
-                        traceback.print_exc()
-                        row["error"] = f"{type(e).__name__}: {str(e)[:800]}"
-                    print(json.dumps(row), flush=True)
-                    result["speed"].append(row)
+                    timer = lambda st=stages: kernel_only(case, sets, args.iters, args.reps, st)  # noqa: E731
+                    arm = f"mosaic_kernel_stages{stages}"
+                    result["speed"].append(timed_row(name, causal, arm, timer, case.flops_fwd))
     with open(os.path.join(args.out, "mosaic_forward.json"), "w") as f:
         json.dump(result, f, indent=1)
     print("\n| case | finite | err vs f32 | err vs emulation | lse diff | triton err vs f32 |")
