@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import dm_jax
 from benchmarks.correctness import f32_out_and_grads, fro_rel
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
+from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, default_config
 
 F32 = jnp.float32
@@ -41,14 +42,15 @@ def arms(case: Case, implementation="pallas"):
     (pallas_kernels/fp8_attention/triton/fp8_accumulation.py)."""
     import dataclasses
 
-    def ours(delta, precision, accumulation=None):
-        config = (
-            None
-            if accumulation is None
-            else dataclasses.replace(
+    interpret = implementation.endswith("_interpret")  # the CPU smoke test
+
+    def ours(delta, precision, accumulation=None, backend=implementation, config=None):
+        if interpret and not backend.endswith("_interpret"):
+            backend += "_interpret"
+        if accumulation is not None:
+            config = dataclasses.replace(
                 default_config(case.dqk, case.dv), fp8_accumulation=accumulation
             )
-        )
         return lambda q, k, v: dm_jax.attention(
             q,
             k,
@@ -56,7 +58,7 @@ def arms(case: Case, implementation="pallas"):
             causal=case.causal,
             delta=delta,
             precision=precision,
-            implementation=implementation,
+            implementation=backend,
             config=config,
         )
 
@@ -67,8 +69,15 @@ def arms(case: Case, implementation="pallas"):
         "ours_bf16_stale": ours("stale", "bf16"),
     }
     for mode in FP8_ACCUMULATION_MODES:
-        out[f"ours_fp8_matched_{mode}"] = ours("matched", "fp8", mode)
-        out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode)
+        out[f"ours_fp8_matched_{mode}"] = ours("matched", "fp8", mode, backend="triton")
+        out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode, backend="triton")
+    for delta in ("matched", "stale"):  # each backend on its own, whatever "pallas" picks
+        out[f"triton_fp8_{delta}"] = ours(delta, "fp8", backend="triton")
+        out[f"mosaic_fp8_{delta}"] = ours(delta, "fp8", backend="mosaic")
+        # the Mosaic forward with the Triton backward passes
+        out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
+            delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)
+        )
     try:
         from dm_jax.baselines import cudnn_fp8_attention
 

@@ -23,17 +23,23 @@ MIN_JAX = (0, 11)
 class MosaicConfig:
     """K/V shared-memory stages of the forward (reduced to what fits shared memory), and
     whether the quantize pre-pass runs as one Pallas kernel (head dims that are powers of
-    two) or as XLA ops (bitwise the same operands)."""
+    two) or as XLA ops (bitwise the same operands).
+
+    The backward runs in this backend's kernels (``mosaic_backward``, with
+    ``backward_stages`` tile stages) where they support the call (head dims up to 128, a
+    64 x 64 dS scale tile), else in the Triton passes with the
+    ``backward`` launch settings (None: Triton's default for the head dims)."""
 
     stages: int = 2
     fused_quantize: bool = True
-    # The matched delta, dQ and dK/dV passes are the Triton kernels for now (on the Mosaic
-    # forward's log-sum-exp); None: Triton's default launch settings for the head dims.
+    mosaic_backward: bool = True
+    backward_stages: int = 2
     backward: Optional[triton_config.TritonConfig] = None
 
     def __post_init__(self):
-        if not 1 <= self.stages <= 4:
-            raise ValueError(f"stages must be in [1, 4], got {self.stages}")
+        for name in ("stages", "backward_stages"):
+            if not 1 <= getattr(self, name) <= 4:
+                raise ValueError(f"{name} must be in [1, 4], got {getattr(self, name)}")
 
     def backward_config(self, head_dim_qk: int, head_dim_v: int) -> triton_config.TritonConfig:
         if self.backward is not None:

@@ -1,9 +1,10 @@
 """The Mosaic GPU backend's ops module (:class:`..api.KernelOps`), public layout [B, T, H, D].
 
-The forward is this folder's FA3-style FP8 kernel. The matched delta, dQ and dK/dV passes
-are, until their Mosaic GPU versions exist, the Triton backend's kernels on the Mosaic
-forward's log-sum-exp (the same natural-log convention): delta and dS are then formed by
-the same passes, so Delta-Matching's row sums cancel exactly as on the Triton backend.
+The forward is this folder's FA3-style FP8 kernel; the matched delta, dQ and dK/dV passes
+are this folder's backward kernels (:mod:`.backward`) where they support the call
+(:func:`.backward_ops.reason`), else the Triton backend's passes on the Mosaic forward's
+log-sum-exp (the same natural-log convention). Either way one set of passes forms delta
+and dS, so Delta-Matching's row sums cancel.
 No autodiff here: ``dm_jax`` wraps forward and backward in its ``jax.custom_vjp``.
 """
 
@@ -14,6 +15,7 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_attention.api import AttentionSpec, ForwardResult, Pass
+from pallas_kernels.fp8_attention.mosaic_gpu import backward_ops
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize as xla_quantize
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
@@ -81,6 +83,29 @@ def forward(
     return ForwardResult(o[:, :t].astype(q.dtype), lse[:, :, :t])
 
 
+def _mosaic_backward(q, v, spec, config: MosaicConfig) -> bool:
+    """Whether this backend's backward kernels run the call."""
+    if not config.mosaic_backward:
+        return False
+    return backward_ops.reason(q.shape, v.shape, q.dtype, spec, config.backward_stages) is None
+
+
+def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, interpret):
+    return backward_ops.operands(
+        q,
+        k,
+        v,
+        lse,
+        do,
+        q_ids,
+        kv_ids,
+        spec=spec,
+        stages=config.backward_stages,
+        fused_quantize=config.fused_quantize,
+        interpret=interpret,
+    )
+
+
 def delta(
     q,
     k,
@@ -95,7 +120,10 @@ def delta(
     config: MosaicConfig,
     interpret: bool,
 ):
-    """delta_i [B, Hq, T] f32 of ``spec.delta`` (the Triton passes, as :func:`backward`)."""
+    """delta_i [B, Hq, T] f32 of ``spec.delta``, formed as :func:`backward` forms it."""
+    if _mosaic_backward(q, v, spec, config):
+        ops = _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config, interpret)
+        return backward_ops.delta(ops, do, out, spec.delta)[:, :, : q.shape[1]]
     return triton_ops.delta(
         q,
         k,
@@ -126,7 +154,11 @@ def backward(
     interpret: bool,
     with_stats: bool = False,
 ):
-    """Flash backward with recomputed P (the Triton passes; see the module docstring)."""
+    """Flash backward with recomputed P (see the module docstring for which kernels)."""
+    if _mosaic_backward(q, v, spec, config):
+        ops = _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config, interpret)
+        dtypes = (q.dtype, k.dtype, v.dtype)
+        return backward_ops.backward(ops, do, out, spec.delta, dtypes, with_stats)
     return triton_ops.backward(
         q,
         k,
@@ -145,7 +177,8 @@ def backward(
 
 def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret: bool) -> dict:
     """{name: Pass}: the quantize pre-pass and the forward kernel of this backend, then the
-    backward passes it borrows from the Triton backend (no segment ids)."""
+    backward's passes: this backend's where it runs the call, else the Triton backend's
+    (prefixed ``triton_``). No segment ids."""
     mask = fwd_kernel.ForwardMask(t=q.shape[1], s=k.shape[1], causal=spec.causal, segments=False)
 
     def quantize_fwd(q, k, v):
@@ -165,6 +198,10 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret:
         "quantize_fwd": Pass(quantize_fwd, (q, k, v), 0),
         "forward_kernel": Pass(forward_kernel, _kernel_operands(*quantize_fwd(q, k, v)), 2),
     }
+    if _mosaic_backward(q, v, spec, config):
+        o, lse = forward(q, k, v, spec=spec, config=config, interpret=interpret)
+        out.update(_backward_passes(q, k, v, o, lse, do, spec, config, interpret))
+        return out
     borrowed = triton_ops.passes(
         q,
         k,
@@ -182,3 +219,38 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret:
         }
     )
     return out
+
+
+def _backward_passes(q, k, v, o, lse, do, spec, config, interpret) -> dict:
+    """The Mosaic backward's passes, each on its own inputs."""
+
+    def quantize_bwd(q, k, v, lse, do):  # (the arrays only: a pass returns arrays)
+        return _operands(q, k, v, lse, do, None, None, spec, config, interpret)._replace(
+            kwargs=None
+        )
+
+    ops = _operands(q, k, v, lse, do, None, None, spec, config, interpret)
+    delta_p = backward_ops.delta(ops, do, o, "matched")
+    arrays = ops._replace(kwargs=None)  # a pass's arguments: arrays only
+
+    def matched_delta(arrays):
+        return backward_ops.delta(arrays._replace(kwargs=ops.kwargs), do, o, "matched")
+
+    def stale_rowdot(do, o):
+        return backward_ops.delta(ops, do, o, "stale")
+
+    def dq_pass(arrays, delta_p):
+        ops_ = arrays._replace(kwargs=ops.kwargs)
+        return backward_ops.gradients(ops_, delta_p, (q.dtype, k.dtype), passes=("dq",))
+
+    def dkdv_pass(arrays, delta_p):
+        ops_ = arrays._replace(kwargs=ops.kwargs)
+        return backward_ops.gradients(ops_, delta_p, (q.dtype, k.dtype), passes=("dkdv",))
+
+    return {
+        "quantize_bwd": Pass(quantize_bwd, (q, k, v, lse, do), 0),
+        "delta_matched_kernel": Pass(matched_delta, (arrays,), 2),
+        "delta_stale_rowdot": Pass(stale_rowdot, (do, o), 0),
+        "dq_pass": Pass(dq_pass, (arrays, delta_p), 3),
+        "dkdv_pass": Pass(dkdv_pass, (arrays, delta_p), 4),
+    }

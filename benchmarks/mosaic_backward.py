@@ -1,0 +1,89 @@
+"""The Mosaic GPU backward's passes under several launch settings, on the GPU.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mosaic_backward.py --out $OUT
+
+For each variant (``--stages``: the backward's shared-memory stages) and causality: the
+matched-delta pass, the dQ pass and the dK/dV pass of the main benchmark shape, each timed
+on its own like benchmarks/passes.py, with their TFLOP/s (2, 3 and 4 matmuls). Writes
+mosaic_backward.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.passes import time_fn
+from pallas_kernels.fp8_attention.api import AttentionSpec
+from pallas_kernels.fp8_attention.arg_specs import BENCH_MAIN
+from pallas_kernels.fp8_attention.mosaic_gpu import ops
+from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
+from pallas_kernels.fp8_attention.tiles import default_tiles
+
+PASSES = ("delta_matched_kernel", "dq_pass", "dkdv_pass")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--stages", default="2,3", help="comma-separated backward stages")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="tiny shape in interpret mode (CPU)")
+    args = p.parse_args(argv)
+    rows = []
+    start = time.time()
+    for causal in [bool(int(c)) for c in args.causal.split(",")]:
+        case = dataclasses.replace(BENCH_MAIN, causal=causal)
+        if args.smoke:
+            case = case.shrunk()
+        q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
+        spec = AttentionSpec(
+            causal=causal,
+            delta="matched",
+            precision="fp8",
+            sm_scale=case.dqk**-0.5,
+            tiles=default_tiles(case.dqk, case.dv),
+        )
+        one = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if causal else 1.0)
+        for stages in [int(s) for s in args.stages.split(",")]:
+            config = MosaicConfig(backward_stages=stages, fused_quantize=not args.smoke)
+            try:
+                plan = ops.passes(q, k, v, do, spec=spec, config=config, interpret=args.smoke)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append(dict(causal=causal, stages=stages, error=str(e)[:500]))
+                continue
+            for name in PASSES:
+                fn, fargs, matmuls = plan[name]
+                row = dict(causal=causal, stages=stages, name=name)
+                try:
+                    sec = time_fn(fn, fargs, args.iters, args.reps)
+                    row.update(ms=sec * 1e3, tflops=matmuls * one / sec / 1e12)
+                except Exception as e:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    with open(os.path.join(args.out, "mosaic_backward.json"), "w") as f:
+        info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows)
+        json.dump(dict(info, seconds=time.time() - start), f, indent=1)
+    print("| causal | stages | pass | ms | TFLOP/s |")
+    for r in rows:
+        print(
+            f"| {r['causal']} | {r['stages']} | {r.get('name', '-')} | "
+            f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} | "
+            f"{r.get('error', '')[:60]}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,634 @@
+"""Mosaic GPU backward kernels: the matched delta, dQ, and dK/dV, every dot in FP8 e4m3.
+
+Both kinds of pass recompute, per (64 queries x 64 keys) tile, in log2 units
+(c = sm_scale log2(e), lse2 = lse log2(e), inv the decode factors, constant per tile):
+    S2  = (Q8 K8^T) * (c inv_q inv_k)        -inf where masked
+    P   = 2^(S2 - lse2)
+    dP^ = (dO8 V8^T) * (inv_do inv_v)
+    dS  = P (dP^ - delta),  s = 2^floor(log2(448 / amax|dS|)),  dS^ = e4m3(dS s)
+The 64 x 64 tile is the contract's dS scale tile (``NumericsTiles.ds_tile``), so dS is
+scaled exactly as the emulation scales it. Every scale factor is a power of two apart from
+c, so the order of the multiplications does not change a bit.
+
+* :func:`query_pass` (one CTA per 128 queries, two consumer warpgroups of 64 rows, keys
+  streamed in 64-token tiles): with ``want="delta"`` the matched delta
+  delta_i = sum_j P_ij dP^_ij; with ``want="dq"``
+  dQ_i += (dS^ K8) * (sm_scale / s * inv_k)        A = dS^ from registers, K^T K-major.
+* :func:`key_pass` (one CTA per 128 keys, 64 per consumer warpgroup, queries of every head
+  of the kv head's group streamed in 64-token tiles) works on the transposed tiles
+  (S^T = K8 Q8^T, dP^T = V8 dO8^T: keys are the accumulator's rows):
+    dV_j += ((256 P)^^T dO8) * (inv_do / 256)        A = P^T from registers
+    dK_j += (dS^^T Q8) * (sm_scale / s * inv_q)       A = dS^T from registers
+  with dO^T and Q^T K-major, tokens permuted like the register regroup (:mod:`.regroup`).
+
+Each tile's dot runs in a fresh accumulator and is added in FP32 (the Triton backend's
+default accumulation). A producer warpgroup streams the tiles with TMA into a ring of
+shared-memory stages.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.fp8_attention import numerics
+from pallas_kernels.fp8_attention.mosaic_gpu import regroup
+from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
+    SMEM_BYTES,
+    ForwardMask,
+    fp8_transforms,
+    out_transforms,
+)
+from pallas_kernels.fp8_attention.mosaic_gpu.quantize import BLOCK
+
+LOG2E = math.log2(math.e)
+TILE = 64  # tokens per streamed tile and per consumer warpgroup: the dS scale tile
+WARPGROUPS = 2
+CTA_TOKENS = WARPGROUPS * TILE
+F32 = jnp.float32
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
+MAX_HEAD_DIM = 128  # dK and dV accumulators of a 64-key warpgroup fill its registers
+REDUCTION_SCRATCH = 128  # f32 per warpgroup for the cross-warp max of a dS tile
+
+
+def _scale(amax, shape):
+    """The power-of-two scale of a tile's amax (a [64] row vector, all entries equal) as
+    ``shape``, broadcast along the rows."""
+    return _rows(numerics.pow2_scale(amax), shape)
+
+
+def _row_max(rows, scratch, interpret: bool):
+    """max over a [64] row vector, returned as a row vector of that max. The rows of a
+    warpgroup's tile lie in its four warps, so this is a cross-warp reduction through
+    shared memory: through this warpgroup's own ``scratch`` ([128] f32), since Pallas' own
+    reduction scratch sits at one address for every warpgroup of the CTA."""
+    if interpret:
+        return lax.broadcast_in_dim(rows.max(axis=0), rows.shape, ())
+
+    @plgpu.inline_mgpu(
+        arg_types=(ROW, plgpu.RefType()),
+        return_type=plgpu.ShapeDtypeStruct(rows.shape, rows.dtype, layout=ROW),
+    )
+    def row_max(_, x, scratch_ref):
+        total = x.reduce("max", 0, scratch=scratch_ref)
+        return total.broadcast(x.shape).to_layout(ROW.to_mgpu())
+
+    return row_max(rows, scratch)
+
+
+def _quantize_ds(ds, scratch, interpret: bool):
+    """dS tile -> (dS^ e4m3, its finite amax as a [64] row vector): one power-of-two scale
+    per tile."""
+    a = jnp.abs(ds)
+    a = jnp.where(a < jnp.inf, a, 0.0)  # NaN and Inf do not poison the tile's scale
+    amax = _row_max(a.max(axis=1), scratch, interpret)
+    return numerics.quantize(ds, _scale(amax, ds.shape)), amax
+
+
+def _rows(vec, shape):
+    return lax.broadcast_in_dim(vec, shape, [0])
+
+
+def _row(ref):
+    """A [64] vector from shared memory, one value per accumulator row. Tile constants
+    (decode factors) are read this way too: constant vectors fit either orientation."""
+    return plgpu.load(ref, (), layout=ROW)
+
+
+def _masked(mask: ForwardMask, s2, q0, k0, transposed: bool, q_seg=None, k_seg=None):
+    """-inf where the (query, key) pair is masked: lengths, causality, segments. Rows are
+    queries from ``q0`` and columns keys from ``k0``, or the other way when ``transposed``;
+    q_seg and k_seg are the segment-id vectors along their axes."""
+    q_axis, k_axis = (1, 0) if transposed else (0, 1)
+
+    def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, s2.shape, axis, layout=plgpu.Layout.WGMMA)
+
+    q_pos, k_pos = q0 + iota(q_axis), k0 + iota(k_axis)
+    valid = (q_pos < mask.t) & (k_pos < mask.s)
+    if mask.causal:
+        valid = valid & (q_pos >= k_pos)
+    if mask.segments:
+        q_ids = lax.broadcast_in_dim(q_seg, s2.shape, [q_axis])
+        valid = valid & (q_ids == lax.broadcast_in_dim(k_seg, s2.shape, [k_axis]))
+    return jnp.where(valid, s2, -jnp.inf)
+
+
+def _padded(mask: ForwardMask, tp: int, sp: int) -> bool:
+    return mask.t != tp or mask.s != sp
+
+
+def _dots(a1, b1, a2, b2, shape):
+    """(a1 @ b1, a2 @ b2) in fresh f32 accumulators, issued together (one wait)."""
+
+    def body(acc1, acc2):
+        plgpu.wgmma(acc1, a1, b1)
+        plgpu.wgmma(acc2, a2, b2)
+        return acc1[...], acc2[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, F32), plgpu.ACC(shape, F32))
+
+
+def _register_dot(a8, b_ref, shape, interpret, a_smem):
+    """a8 (e4m3, registers, regrouped) @ b_ref in a fresh f32 accumulator. Pallas' GPU
+    interpreter takes wgmma's A operand from shared memory only: it goes through ``a_smem``."""
+    if interpret:
+        a_smem[...] = a8
+        plgpu.commit_smem()
+        a8 = a_smem
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a8, b_ref)
+        return acc_ref[...]
+
+    return pl.run_scoped(body, plgpu.ACC(shape, F32))
+
+
+def _stream(load, free, steps, stages: int):
+    """The producer's loop: ``load(n, slot)`` for every step into a ring of ``stages``
+    slots, each reused once the consumers release it (``free``); then it waits for the
+    last releases too (Pallas' GPU interpreter checks that every phase was observed)."""
+
+    @pl.loop(0, steps)
+    def _(n):
+        slot = lax.rem(n, stages)
+
+        @pl.when(n >= stages)
+        def _():
+            plgpu.barrier_wait(free.at[slot])
+
+        load(n, slot)
+
+    @pl.loop(jnp.maximum(steps - stages, 0), steps)
+    def _(n):
+        plgpu.barrier_wait(free.at[lax.rem(n, stages)])
+
+
+def _copy_to_slot(copies, slot):
+    """TMA copies (source, staged buffer, its barriers) into one stage slot, one barrier
+    per copy (Pallas' GPU interpreter counts one arrival per barrier and copy)."""
+    for src, dst, bars in copies:
+        plgpu.copy_gmem_to_smem(src, dst.at[slot], bars.at[slot])
+
+
+def _wait_all(bars, slot):
+    for bar in bars:
+        plgpu.barrier_wait(bar.at[slot])
+
+
+def query_pass(
+    q8,
+    do8,
+    q_rows,
+    k8,
+    v8,
+    kv_inv,
+    kt8=None,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    want: str,
+    mask: ForwardMask,
+    sm_scale: float,
+    stages: int,
+    out_dtype=jnp.float32,
+    with_stats: bool = False,
+    interpret: bool = False,
+):
+    """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
+
+    Args:
+      q8 [B, Hq, Tp, Dqk], do8 [B, Hq, Tp, Dv]: e4m3.
+      q_rows [B, Hq, Tp / 64, 4, 64] f32: per query (lse2, delta, inv_q, inv_do).
+      k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv]: e4m3.
+      kv_inv [B, Hkv, Sp / 128, 2, 64] f32: K's and V's decode factor per key block.
+      kt8 [B, Hkv, Dqk, Sp]: the permuted K-major copy of K (``want="dq"`` only).
+      q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
+    Returns:
+      ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, Dqk] in
+      ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
+      sum_j dS_ij and sum_j |dS_ij| before the cast of dS, then after it (decoded).
+    """
+    if want not in ("delta", "dq"):
+        raise ValueError(f"want must be 'delta' or 'dq', got {want!r}")
+    want_dq = want == "dq"
+    with_stats = with_stats and want_dq
+    b, hq, tp, dqk = q8.shape
+    hkv, sp, dv = k8.shape[1], k8.shape[2], v8.shape[3]
+    group = hq // hkv
+    n_k = sp // TILE
+    every_tile = mask.segments or _padded(mask, tp, sp)
+    c = sm_scale * LOG2E
+    to_operand = regroup.permute_columns if interpret else regroup.regroup_fp8
+
+    def kernel(q_ref, do_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
+        rest = list(rest)
+        kt_ref = rest.pop(0) if want_dq else None
+        qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
+        out_ref, stats_ref, scratch = rest if with_stats else (rest[0], None, rest[1])
+        smem, bars = scratch
+        q_smem2, do_smem2, rows_smem2, qseg_smem2, out_smem2, a_smem2, stats_smem2 = smem[:7]
+        red_smem2 = smem[7]
+        k_smem, v_smem, kt_smem, kvinv_smem, kseg_smem = smem[8:]
+        q_bars, k_bars, v_bars, kt_bars, aux_bars, seg_bars, free = bars
+        batch, head = lax.axis_index("batch"), lax.axis_index("heads")
+        q_tile, wg = lax.axis_index("q_seq"), lax.axis_index("wg")
+        kv_head = lax.div(head, jnp.array(group, head.dtype))
+        if mask.causal:
+            cta_steps = jnp.minimum(n_k, (q_tile + 1) * WARPGROUPS)
+        else:
+            cta_steps = n_k
+
+        @pl.when(wg < WARPGROUPS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem, rows_smem = q_smem2.at[wg], do_smem2.at[wg], rows_smem2.at[wg]
+            tile = q_tile * WARPGROUPS + wg
+            row0 = tile * TILE
+            q_rows_ = pl.ds(row0, TILE)
+            copies = [
+                (q_ref.at[batch, head, q_rows_], q_smem),
+                (do_ref.at[batch, head, q_rows_], do_smem),
+                (rows_ref.at[batch, head, tile], rows_smem),
+            ]
+            if mask.segments:
+                copies.append((qseg_ref.at[batch, q_rows_], qseg_smem2.at[wg]))
+            for n, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, q_bars.at[n * WARPGROUPS + wg])
+            for n in range(len(copies)):
+                plgpu.barrier_wait(q_bars.at[n * WARPGROUPS + wg])
+            lse2, delta, inv_q, inv_do = (_row(rows_smem.at[n]) for n in range(4))
+            q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
+            loaded = [k_bars, v_bars, aux_bars] + [kt_bars] * want_dq + [seg_bars] * mask.segments
+            steps = jnp.minimum(n_k, tile + 1) if mask.causal else n_k
+            full = 0 if every_tile else (tile if mask.causal else n_k)
+
+            def step(j, carry, masked: bool):
+                slot = lax.rem(j, stages)
+                _wait_all((k_bars, v_bars, aux_bars), slot)
+                s, dp = _dots(q_smem, k_smem.at[slot].T, do_smem, v_smem.at[slot].T, (TILE, TILE))
+                inv_k, inv_v = _row(kvinv_smem.at[slot, 0]), _row(kvinv_smem.at[slot, 1])
+                s2 = s * _rows((c * inv_q) * inv_k, s.shape)
+                if masked:
+                    k_seg = None
+                    if mask.segments:
+                        plgpu.barrier_wait(seg_bars.at[slot])
+                        k_seg = plgpu.load(kseg_smem.at[slot], (), layout=COL)
+                    s2 = _masked(mask, s2, row0, j * TILE, False, q_seg, k_seg)
+                p = jnp.exp2(s2 - _rows(lse2, s2.shape))
+                dp = dp * _rows(inv_do * inv_v, dp.shape)
+                if not want_dq:  # delta_i += sum_j P_ij dP^_ij
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry + (p * dp).sum(axis=1)
+                ds = p * (dp - _rows(delta, p.shape))
+                ds8, amax = _quantize_ds(ds, red_smem2.at[wg], interpret)
+                plgpu.barrier_wait(kt_bars.at[slot])
+                a_smem = a_smem2.at[wg] if interpret else None
+                part = _register_dot(
+                    to_operand(ds8), kt_smem.at[slot].T, (TILE, dqk), interpret, a_smem
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                shape = part.shape
+                dq = carry[0] + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_k, shape))
+                if not with_stats:
+                    return (dq,)
+                post = ds8.astype(F32) / _scale(amax, ds.shape)  # decoded dS^
+                sums = (ds, jnp.abs(ds), post, jnp.abs(post))
+                return (dq,) + tuple(acc + x.sum(axis=1) for acc, x in zip(carry[1:], sums))
+
+            row_zeros = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROW)
+            if want_dq:
+                init = (plgpu.layout_cast(jnp.zeros((TILE, dqk), F32), plgpu.Layout.WGMMA),)
+                init += (row_zeros,) * (4 * with_stats)
+            else:
+                init = row_zeros
+            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
+            carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+
+            @pl.loop(steps, cta_steps)  # tiles only the other warpgroup reads: release them
+            def _(j):
+                slot = lax.rem(j, stages)
+                _wait_all(loaded, slot)
+                plgpu.barrier_arrive(free.at[slot])
+
+            out_smem = out_smem2.at[wg]
+            if want_dq:
+                out_smem[...] = carry[0].astype(out_dtype)
+                dst = out_ref.at[batch, q_rows_, head]  # [B, Tp, Hq, Dqk]
+                for n, stat in enumerate(carry[1:]):
+                    stats_smem2.at[wg, n][...] = stat
+            else:
+                out_smem[...] = carry
+                dst = out_ref.at[batch, head, q_rows_]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, dst)
+            if with_stats:
+                plgpu.copy_smem_to_gmem(stats_smem2.at[wg], stats_ref.at[batch, head, :, q_rows_])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == WARPGROUPS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(j, slot):
+                keys = pl.ds(j * TILE, TILE)
+                at = (batch, kv_head)
+                copies = [
+                    (k_ref.at[at + (keys,)], k_smem, k_bars),
+                    (v_ref.at[at + (keys,)], v_smem, v_bars),
+                    (kvinv_ref.at[at + (j // 2,)], kvinv_smem, aux_bars),
+                ]
+                if want_dq:
+                    copies.append((kt_ref.at[at + (slice(None), keys)], kt_smem, kt_bars))
+                if mask.segments:
+                    copies.append((kvseg_ref.at[batch, keys], kseg_smem, seg_bars))
+                _copy_to_slot(copies, slot)
+
+            _stream(load, free, cta_steps, stages)
+
+    fp8 = jnp.float8_e4m3fn
+    out_shape = (b, tp, hq, dqk) if want_dq else (b, hq, tp)
+    out_dtype = out_dtype if want_dq else F32
+
+    def dm_fp8_attention_query_pass_mosaic(*refs):  # the kernel's name in profiles
+        if want_dq:
+            out_smem = plgpu.SMEM(
+                (WARPGROUPS, TILE, dqk), out_dtype, transforms=out_transforms(out_dtype)
+            )
+        else:
+            out_smem = plgpu.SMEM((WARPGROUPS, TILE), F32)
+        smem = (
+            plgpu.SMEM((WARPGROUPS, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
+            plgpu.SMEM((WARPGROUPS, TILE, dv), fp8, transforms=fp8_transforms(dv)),
+            plgpu.SMEM((WARPGROUPS, 4, TILE), F32),
+            plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if mask.segments else None,
+            out_smem,
+            plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret and want_dq else None,
+            plgpu.SMEM((WARPGROUPS, 4, TILE), F32) if with_stats else None,
+            plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
+            plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
+            plgpu.SMEM((stages, TILE, dv), fp8, transforms=fp8_transforms(dv)),
+            plgpu.SMEM((stages, dqk, TILE), fp8, transforms=fp8_transforms(TILE))
+            if want_dq
+            else None,
+            plgpu.SMEM((stages, 2, TILE), F32),
+            plgpu.SMEM((stages, TILE), jnp.int32) if mask.segments else None,
+        )
+        # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
+        bars = (
+            plgpu.Barrier(num_barriers=4 * WARPGROUPS),  # Q, dO, row data, segments
+            plgpu.Barrier(num_barriers=stages),  # K
+            plgpu.Barrier(num_barriers=stages),  # V
+            plgpu.Barrier(num_barriers=stages),  # K^T
+            plgpu.Barrier(num_barriers=stages),  # decode factors
+            plgpu.Barrier(num_barriers=stages),  # key segment ids
+            plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # slot free
+        )
+        pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
+
+    args = [q8, do8, q_rows, k8, v8, kv_inv]
+    if want_dq:
+        args.append(kt8)
+    if mask.segments:
+        args += [q_seg, kv_seg]
+    outs = plgpu.kernel(
+        dm_fp8_attention_query_pass_mosaic,
+        out_type=[jax.ShapeDtypeStruct(out_shape, out_dtype)]
+        + [jax.ShapeDtypeStruct((b, hq, 4, tp), F32)] * with_stats,
+        grid=(hq, tp // CTA_TOKENS, b),
+        grid_names=("heads", "q_seq", "batch"),
+        num_threads=WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(*args)
+    return tuple(outs) if with_stats else outs[0]
+
+
+def key_pass(
+    q8,
+    qt8,
+    do8,
+    dot8,
+    q_rows,
+    k8,
+    v8,
+    kv_inv,
+    q_seg=None,
+    kv_seg=None,
+    *,
+    mask: ForwardMask,
+    sm_scale: float,
+    stages: int,
+    out_dtype=jnp.float32,
+    interpret: bool = False,
+):
+    """dK and dV, summed over each kv head's query heads.
+
+    Args:
+      q8 [B, Hq, Tp, Dqk], do8 [B, Hq, Tp, Dv] e4m3 and their permuted K-major copies
+        qt8 [B, Hq, Dqk, Tp], dot8 [B, Hq, Dv, Tp].
+      q_rows [B, Hq, Tp / 64, 4, 64] f32: per query (lse2, delta, inv_q, inv_do).
+      k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv] e4m3; kv_inv [B, Hkv, Sp / 128, 2, 64] f32.
+      q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
+    Returns:
+      dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv] in ``out_dtype`` (the public layout).
+    """
+    b, hq, tp, dqk = q8.shape
+    hkv, sp, dv = k8.shape[1], k8.shape[2], v8.shape[3]
+    group = hq // hkv
+    n_q = tp // TILE
+    every_tile = mask.segments or _padded(mask, tp, sp)
+    c = sm_scale * LOG2E
+    to_operand = regroup.permute_columns if interpret else regroup.regroup_fp8
+
+    def kernel(q_ref, qt_ref, do_ref, dot_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
+        if mask.segments:
+            qseg_ref, kvseg_ref, dk_ref, dv_ref, scratch = rest
+        else:
+            (dk_ref, dv_ref, scratch), qseg_ref, kvseg_ref = rest, None, None
+        smem, bars = scratch
+        k_smem2, v_smem2, kvinv_smem, kseg_smem2, dk_smem2, dv_smem2, a_smem2 = smem[:7]
+        red_smem2 = smem[7]
+        q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem = smem[8:]
+        kv_bars, q_bars, qt_bars, do_bars, dot_bars, rows_bars, seg_bars, free = bars
+        batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
+        k_block, wg = lax.axis_index("k_seq"), lax.axis_index("wg")
+        # causal: the first query tile that sees a key of this CTA
+        first = k_block * WARPGROUPS if mask.causal else 0
+        per_head = jnp.maximum(n_q - first, 0)
+        total = group * per_head
+
+        def locate(n):  # flat step -> (query head, query tile)
+            g = lax.div(n, per_head)
+            return kv_head * group + g, first + n - g * per_head
+
+        @pl.when(wg < WARPGROUPS)
+        def _consumer():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            key0 = k_block * CTA_TOKENS + wg * TILE
+            keys = pl.ds(key0, TILE)
+            copies = [
+                (k_ref.at[batch, kv_head, keys], k_smem),
+                (v_ref.at[batch, kv_head, keys], v_smem),
+                (kvinv_ref.at[batch, kv_head, k_block], kvinv_smem.at[wg]),
+            ]
+            if mask.segments:
+                copies.append((kvseg_ref.at[batch, keys], kseg_smem2.at[wg]))
+            for n, (src, dst) in enumerate(copies):
+                plgpu.copy_gmem_to_smem(src, dst, kv_bars.at[n * WARPGROUPS + wg])
+            for n in range(len(copies)):
+                plgpu.barrier_wait(kv_bars.at[n * WARPGROUPS + wg])
+            inv_k, inv_v = _row(kvinv_smem.at[wg, 0]), _row(kvinv_smem.at[wg, 1])
+            k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
+
+            def step(n, carry, masked: bool):
+                dk, dv_acc = carry
+                slot = lax.rem(n, stages)
+                _, i = locate(n)
+                _wait_all((q_bars, do_bars, rows_bars), slot)
+                st, dpt = _dots(k_smem, q_smem.at[slot].T, v_smem, do_smem.at[slot].T, (TILE, TILE))
+                rows = rows_smem.at[slot]
+                lse2 = plgpu.load(rows.at[0], (), layout=COL)
+                delta = plgpu.load(rows.at[1], (), layout=COL)
+                inv_q, inv_do = _row(rows.at[2]), _row(rows.at[3])
+                s2 = st * _rows((c * inv_q) * inv_k, st.shape)  # query_pass' factor, bitwise
+                if masked:
+                    q_seg = None
+                    if mask.segments:
+                        plgpu.barrier_wait(seg_bars.at[slot])
+                        q_seg = plgpu.load(qseg_smem.at[slot], (), layout=COL)
+                    s2 = _masked(mask, s2, i * TILE, key0, True, q_seg, k_seg)
+                pt = jnp.exp2(s2 - lax.broadcast_in_dim(lse2, s2.shape, [1]))
+                dpt = dpt * _rows(inv_do * inv_v, dpt.shape)
+                dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
+                ds8, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
+                p8 = numerics.cast_probabilities(pt, "fp8")
+                a_smem = a_smem2.at[wg] if interpret else None
+                plgpu.barrier_wait(dot_bars.at[slot])
+                part = _register_dot(
+                    to_operand(p8), dot_smem.at[slot].T, (TILE, dv), interpret, a_smem
+                )
+                dv_acc = dv_acc + part * _rows(inv_do * (1.0 / numerics.P_SCALE), part.shape)
+                plgpu.barrier_wait(qt_bars.at[slot])
+                part = _register_dot(
+                    to_operand(ds8), qt_smem.at[slot].T, (TILE, dqk), interpret, a_smem
+                )
+                plgpu.barrier_arrive(free.at[slot])
+                shape = part.shape
+                return dk + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_q, shape)), dv_acc
+
+            def head_steps(g, carry):
+                # causal (no padding, no segments): the first two query tiles of each head
+                # cross the diagonal of this CTA's keys; every later one sees all of them
+                lo = g * per_head
+                if every_tile:
+                    mid = lo + per_head
+                elif mask.causal:
+                    mid = lo + jnp.minimum(WARPGROUPS, per_head)
+                else:
+                    mid = lo
+                carry = lax.fori_loop(lo, mid, functools.partial(step, masked=True), carry)
+                return lax.fori_loop(
+                    mid, lo + per_head, functools.partial(step, masked=False), carry
+                )
+
+            zeros = lambda d: plgpu.layout_cast(jnp.zeros((TILE, d), F32), plgpu.Layout.WGMMA)  # noqa: E731
+            dk, dv_acc = lax.fori_loop(0, group, head_steps, (zeros(dqk), zeros(dv)))
+            dk_smem, dv_smem = dk_smem2.at[wg], dv_smem2.at[wg]
+            dk_smem[...] = dk.astype(out_dtype)
+            dv_smem[...] = dv_acc.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[batch, keys, kv_head])
+            plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[batch, keys, kv_head])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == WARPGROUPS)
+        def _producer():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(n, slot):
+                head, i = locate(n)
+                rows = pl.ds(i * TILE, TILE)
+                at = (batch, head)
+                copies = [
+                    (q_ref.at[at + (rows,)], q_smem, q_bars),
+                    (do_ref.at[at + (rows,)], do_smem, do_bars),
+                    (rows_ref.at[at + (i,)], rows_smem, rows_bars),
+                    (dot_ref.at[at + (slice(None), rows)], dot_smem, dot_bars),
+                    (qt_ref.at[at + (slice(None), rows)], qt_smem, qt_bars),
+                ]
+                if mask.segments:
+                    copies.append((qseg_ref.at[batch, rows], qseg_smem, seg_bars))
+                _copy_to_slot(copies, slot)
+
+            _stream(load, free, total, stages)
+
+    fp8 = jnp.float8_e4m3fn
+    segs = mask.segments
+
+    def dm_fp8_attention_key_pass_mosaic(*refs):  # the kernel's name in profiles
+        smem = (
+            plgpu.SMEM((WARPGROUPS, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
+            plgpu.SMEM((WARPGROUPS, TILE, dv), fp8, transforms=fp8_transforms(dv)),
+            plgpu.SMEM((WARPGROUPS, 2, TILE), F32),
+            plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if segs else None,
+            plgpu.SMEM((WARPGROUPS, TILE, dqk), out_dtype, transforms=out_transforms(out_dtype)),
+            plgpu.SMEM((WARPGROUPS, TILE, dv), out_dtype, transforms=out_transforms(out_dtype)),
+            plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret else None,
+            plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
+            plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
+            plgpu.SMEM((stages, dqk, TILE), fp8, transforms=fp8_transforms(TILE)),
+            plgpu.SMEM((stages, TILE, dv), fp8, transforms=fp8_transforms(dv)),
+            plgpu.SMEM((stages, dv, TILE), fp8, transforms=fp8_transforms(TILE)),
+            plgpu.SMEM((stages, 4, TILE), F32),
+            plgpu.SMEM((stages, TILE), jnp.int32) if segs else None,
+        )
+        # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
+        bars = (
+            plgpu.Barrier(num_barriers=4 * WARPGROUPS),  # K, V, decode factors, segments
+            plgpu.Barrier(num_barriers=stages),  # Q
+            plgpu.Barrier(num_barriers=stages),  # Q^T
+            plgpu.Barrier(num_barriers=stages),  # dO
+            plgpu.Barrier(num_barriers=stages),  # dO^T
+            plgpu.Barrier(num_barriers=stages),  # row data
+            plgpu.Barrier(num_barriers=stages),  # query segment ids
+            plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # slot free
+        )
+        pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
+
+    args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_inv]
+    if segs:
+        args += [q_seg, kv_seg]
+    return plgpu.kernel(
+        dm_fp8_attention_key_pass_mosaic,
+        out_type=[
+            jax.ShapeDtypeStruct((b, sp, hkv, dqk), out_dtype),
+            jax.ShapeDtypeStruct((b, sp, hkv, dv), out_dtype),
+        ],
+        grid=(hkv, sp // CTA_TOKENS, b),
+        grid_names=("heads", "k_seq", "batch"),
+        num_threads=WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )(*args)
+
+
+def smem_fits(dqk: int, dv: int, stages: int, out_dtype) -> bool:
+    """Whether the key pass (the larger of the two) fits shared memory with ``stages``."""
+    out = jnp.dtype(out_dtype).itemsize
+    per_wg = TILE * (dqk + dv) * (1 + out) + 2 * TILE * 4 + TILE * TILE + REDUCTION_SCRATCH * 4
+    per_stage = 2 * TILE * (dqk + dv) + 4 * TILE * 4 + TILE * 4
+    return WARPGROUPS * per_wg + stages * per_stage + 4096 <= SMEM_BYTES
+
+
+__all__ = ["BLOCK", "MAX_HEAD_DIM", "TILE", "key_pass", "query_pass", "smem_fits"]

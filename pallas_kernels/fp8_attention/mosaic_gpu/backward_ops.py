@@ -1,0 +1,142 @@
+"""The Mosaic GPU backward from the public layout: quantize, delta, dQ, dK/dV, unpad.
+
+Runs where :func:`reason` returns None (head dims up to 128, the 64 x 64 dS scale tile);
+``ops.py`` sends every other call to the Triton passes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.fp8_attention.api import AttentionSpec, BackwardResult
+from pallas_kernels.fp8_attention.mosaic_gpu import backward as kernels
+from pallas_kernels.fp8_attention.mosaic_gpu import quantize as xla_quantize
+from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
+from pallas_kernels.fp8_attention.mosaic_gpu.forward import ForwardMask
+from pallas_kernels.fp8_attention.mosaic_gpu.quantize import MosaicOperand, pad_segment_ids
+from pallas_kernels.fp8_attention.triton import delta as delta_kernels
+from pallas_kernels.fp8_attention.triton.quantize import QuantizedTensor
+
+
+def reason(q_shape, v_shape, dtype, spec: AttentionSpec, stages: int) -> Optional[str]:
+    """None if the Mosaic GPU backward kernels run this call, else why not."""
+    dqk, dv = q_shape[-1], v_shape[-1]
+    if max(dqk, dv) > kernels.MAX_HEAD_DIM:
+        return (
+            f"head dims ({dqk}, {dv}): the Mosaic backward holds dK and dV of 64 keys in "
+            f"registers, up to head dim {kernels.MAX_HEAD_DIM}"
+        )
+    if spec.tiles.ds_tile != (kernels.TILE, kernels.TILE):
+        return f"dS scale tile {spec.tiles.ds_tile}: the Mosaic backward's is 64 x 64"
+    if not kernels.smem_fits(dqk, dv, stages, dtype):
+        return f"{stages} backward stages at head dims ({dqk}, {dv}) do not fit shared memory"
+    return None
+
+
+class Operands(NamedTuple):
+    """What the three passes read (padded, quantized) and their keyword arguments."""
+
+    q8: MosaicOperand  # values and the permuted K-major copy
+    k8: MosaicOperand
+    v8: MosaicOperand  # values only
+    do8: MosaicOperand
+    kv_inv: jax.Array  # [B, Hkv, Sp / 128, 2, 64]
+    lse2: jax.Array  # [B, Hq, Tp] f32, log2 units
+    segments: tuple  # (q_seg [B, Tp], kv_seg [B, Sp]) or ()
+    kwargs: dict
+
+
+def operands(q, k, v, lse, do, q_ids, kv_ids, *, spec, stages, fused_quantize, interpret):
+    if fused_quantize:
+        quantize = functools.partial(quantize_kernel.quantize, interpret=interpret)
+    else:
+        quantize = xla_quantize.quantize
+    q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
+    v8, do8 = quantize(v), quantize(do, k_major=True)
+    tp, sp = q8.values.shape[2], k8.values.shape[2]
+    segments = ()
+    if q_ids is not None:
+        segments = (pad_segment_ids(q_ids, tp, -1), pad_segment_ids(kv_ids, sp, -2))
+    # lse = +inf (a row that sees no key) stays +inf: P = 0 there
+    lse2 = jnp.pad(lse * kernels.LOG2E, ((0, 0), (0, 0), (0, tp - lse.shape[2])))
+    mask = ForwardMask(t=q.shape[1], s=k.shape[1], causal=spec.causal, segments=bool(segments))
+    kwargs = dict(mask=mask, sm_scale=spec.sm_scale, stages=stages, interpret=interpret)
+    kv_inv = jnp.stack([k8.inv_rows, v8.inv_rows], axis=3)
+    return Operands(q8, k8, v8, do8, kv_inv, lse2, segments, kwargs)
+
+
+def query_rows(ops: Operands, delta_p):
+    """[B, Hq, Tp / 64, 4, 64] f32: per query (lse2, delta, inv_q, inv_do)."""
+    rows = jnp.stack([ops.lse2, delta_p, ops.q8.inv_tokens, ops.do8.inv_tokens], axis=2)
+    b, hq, _, tp = rows.shape
+    rows = rows.reshape(b, hq, 4, tp // kernels.TILE, kernels.TILE)
+    return jnp.swapaxes(rows, 2, 3)
+
+
+def _query_pass(ops: Operands, rows, **kwargs):
+    kt = ops.k8.values_t if kwargs["want"] == "dq" else None
+    q8, do8, k8, v8 = ops.q8.values, ops.do8.values, ops.k8.values, ops.v8.values
+    return kernels.query_pass(
+        q8, do8, rows, k8, v8, ops.kv_inv, kt, *ops.segments, **kwargs, **ops.kwargs
+    )
+
+
+def delta(ops: Operands, do, out, mode: str):
+    """delta [B, Hq, Tp] f32: the matched pass, or the row dot of dO (or dO^) and O."""
+    if mode == "matched":
+        rows = query_rows(ops, jnp.zeros_like(ops.lse2))  # (the pass reads no delta)
+        return _query_pass(ops, rows, want="delta")
+    do8 = QuantizedTensor(ops.do8.values, None, ops.do8.inv_tokens)  # the row dot's view
+    return delta_kernels.row_dot_delta(mode, do, out, do8, ops.lse2.shape[2])
+
+
+def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq", "dkdv")):
+    """(dQ [B, Tp, Hq, Dqk], dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv], stats), padded;
+    stats: the dS row statistics [B, Hq, 4, Tp] with ``with_stats``, else None. A pass
+    left out of ``passes`` gives None (the benchmarks time each pass on its own)."""
+    rows = query_rows(ops, delta_p)
+    q_dtype, kv_dtype = out_dtypes
+    dq = stats = dk = dv = None
+    if "dq" in passes:
+        dq = _query_pass(ops, rows, want="dq", out_dtype=q_dtype, with_stats=with_stats)
+        dq, stats = dq if with_stats else (dq, None)
+    if "dkdv" in passes:
+        dk, dv = kernels.key_pass(
+            ops.q8.values,
+            ops.q8.values_t,
+            ops.do8.values,
+            ops.do8.values_t,
+            rows,
+            ops.k8.values,
+            ops.v8.values,
+            ops.kv_inv,
+            *ops.segments,
+            out_dtype=kv_dtype,
+            **ops.kwargs,
+        )
+    return dq, dk, dv, stats
+
+
+def kernel_dtype(dtype):
+    """The kernels write bf16, f16 or f32 (the cast to the input's dtype follows)."""
+    return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.float32
+
+
+def backward(ops: Operands, do, out, mode: str, dtypes, with_stats: bool) -> BackwardResult:
+    """Flash backward in Mosaic GPU kernels, ``dtypes`` those of (q, k, v)."""
+    t, s = do.shape[1], ops.kwargs["mask"].s
+    q_dtype, k_dtype, v_dtype = dtypes
+    delta_p = delta(ops, do, out, mode)
+    out_dtypes = (kernel_dtype(q_dtype), kernel_dtype(k_dtype))
+    dq, dk, dv, stats = gradients(ops, delta_p, out_dtypes, with_stats)
+    return BackwardResult(
+        dq[:, :t].astype(q_dtype),
+        dk[:, :s].astype(k_dtype),
+        dv[:, :s].astype(v_dtype),
+        delta_p[:, :, :t],
+        *(() if stats is None else (stats[:, :, n, :t] for n in range(4))),
+    )
