@@ -77,11 +77,13 @@ class QuantizedOperand(NamedTuple):
     """An operand cast for the dots, as ``[B, H, nblocks, block, D]`` tiles.
 
     ``inv_scale`` is ``[B, H, nblocks]``: one decode factor per tile (tiles divide the
-    128-token scale block, so one tile sees one scale).
+    128-token scale block, so one tile sees one scale). ``poison`` is ``[B, H, nblocks,
+    block]``: NaN for tokens whose row held a NaN or Inf (zeroed in ``values``), else 0.
     """
 
     values: jax.Array
     inv_scale: jax.Array
+    poison: jax.Array
 
 
 def _pad_tokens(x_BHTD, multiple):
@@ -94,12 +96,24 @@ def quantize_operand(x_BHTD, block, precision):
     """Cast ``[B, H, T, D]`` per 128-token scale block and cut it into ``block``-token tiles."""
     if numerics.SCALE_BLOCK % block:
         raise ValueError(f"block sizes must divide {numerics.SCALE_BLOCK}, got {block}")
-    x8, scales = numerics.quantize_tokens(x_BHTD, precision)
+    bad = numerics.nonfinite_tokens(x_BHTD)
+    x8, scales = numerics.quantize_tokens(numerics.finite_or_zero(x_BHTD), precision)
     x8, t_pad = _pad_tokens(x8, block)
     b, h, _, d = x8.shape
     n = t_pad // block
     per_tile = numerics.expand_token_scales(scales, t_pad)[..., ::block]  # [B, H, n]
-    return QuantizedOperand(x8.reshape(b, h, n, block, d), 1.0 / per_tile)
+    poison = _pad_tokens(numerics.poison(bad)[..., None], block)[0].reshape(b, h, n, block)
+    return QuantizedOperand(x8.reshape(b, h, n, block, d), 1.0 / per_tile, poison)
+
+
+def _grouped(op: QuantizedOperand, hkv) -> QuantizedOperand:
+    """A query-side operand with its heads as [B, Hkv, G, ...]."""
+    return QuantizedOperand(*(_group_queries(x, hkv) for x in op))
+
+
+def _poisoned(op: QuantizedOperand, *poisons) -> QuantizedOperand:
+    """``op`` whose per-token poison also carries ``poisons`` (NaN + 0 = NaN: an "or")."""
+    return op._replace(poison=sum(poisons, op.poison))
 
 
 def _to_bhtd(x):
@@ -113,7 +127,11 @@ def _group_queries(x_BHnbD, hkv):
 
 
 class _Tiles(NamedTuple):
-    """Everything the forward and backward need, cast and cut into tiles."""
+    """Everything the forward and backward need, cast and cut into tiles.
+
+    Non-finite tokens are zeroed in the values; q's poison marks the query rows (bad Q, and
+    in the backward bad dO, lse or delta), k's the keys (bad K or V) whose scores are NaN.
+    """
 
     q: QuantizedOperand  # values [B, Hkv, G, nq, bq, Dqk], inv [B, Hkv, G, nq]
     k: QuantizedOperand  # values [B, Hkv, nk, bk, Dqk], inv [B, Hkv, nk]
@@ -124,10 +142,10 @@ class _Tiles(NamedTuple):
 
 def _tile_inputs(q, k, v, block_q, block_k, precision):
     hkv = k.shape[2]
-    qo = quantize_operand(_to_bhtd(q), block_q, precision)
-    qo = QuantizedOperand(_group_queries(qo.values, hkv), _group_queries(qo.inv_scale, hkv))
+    qo = _grouped(quantize_operand(_to_bhtd(q), block_q, precision), hkv)
     ko = quantize_operand(_to_bhtd(k), block_k, precision)
     vo = quantize_operand(_to_bhtd(v), block_k, precision)
+    ko = _poisoned(ko, vo.poison)  # a bad V row poisons its key's scores
     nq, nk = qo.values.shape[3], ko.values.shape[2]
     q_pos = jnp.arange(nq * block_q).reshape(nq, block_q)
     k_pos = jnp.arange(nk * block_k).reshape(nk, block_k)
@@ -137,12 +155,14 @@ def _tile_inputs(q, k, v, block_q, block_k, precision):
 def _scores(tiles, j, info, sm_scale):
     """Logits of every query tile against key tile ``j``: [B, Hkv, G, nq, bq, bk].
 
-    S = (Q^ K^^T) * (scale / (s_q s_k)); masked entries are -inf.
+    S = (Q^ K^^T) * (scale / (s_q s_k)), NaN for poisoned rows and keys; masked entries
+    are -inf.
     """
     kj = tiles.k.values[:, :, j]
     raw = _dot(tiles.q.values, kj, "bkgnqd,bkcd->bkgnqc")
     descale = sm_scale * tiles.q.inv_scale * tiles.k.inv_scale[:, :, None, None, j]
     s = raw * descale[..., None, None]
+    s = s + tiles.q.poison[..., None] + tiles.k.poison[:, :, None, None, None, j]
     valid = tile_mask(info, tiles.q_pos, tiles.k_pos[j])  # [B or 1, nq, bq, bk]
     return jnp.where(valid[:, None, None], s, -jnp.inf)
 
@@ -230,14 +250,17 @@ def flash_backward(
     b, t, hq, dqk = q.shape
     s_len, hkv, dv_dim = v.shape[1], v.shape[2], v.shape[3]
     tiles = _tile_inputs(q, k, v, block_q, block_k, precision)
-    do8 = quantize_operand(_to_bhtd(do), block_q, precision)
-    do8 = QuantizedOperand(_group_queries(do8.values, hkv), _group_queries(do8.inv_scale, hkv))
+    do8 = _grouped(quantize_operand(_to_bhtd(do), block_q, precision), hkv)
     info = MaskInfo.create(t, s_len, causal=causal, segment_ids=segment_ids)
     lse_t, _ = _pad_tokens(lse[..., None], block_q)
     lse_t = _group_queries(lse_t[..., 0].reshape(b, hq, -1, block_q), hkv)
+    # rows with a bad dO or a NaN lse (they saw a bad token) get NaN scores instead
+    rows_bad = numerics.poison(jnp.isnan(lse_t))
+    tiles = tiles._replace(q=_poisoned(tiles.q, do8.poison, rows_bad))
+    lse_t = jnp.where(jnp.isnan(lse_t), 0.0, lse_t)  # +inf (rows that see nothing) stays
     p_scale = numerics.p_scale(precision)
 
-    def probs(j):
+    def probs(j, tiles):
         s = _scores(tiles, j, info, sm_scale)
         return jnp.exp(s - lse_t[..., None])  # 0 where masked (S = -inf)
 
@@ -251,16 +274,19 @@ def flash_backward(
 
         def delta_step(acc, j):
             # the fixed order of the kernels' CPU twin: bitwise the same delta
-            return acc + numerics.row_dot(probs(j), dp_hat(j)), None
+            return acc + numerics.row_dot(probs(j, tiles), dp_hat(j)), None
 
         delta_t, _ = lax.scan(delta_step, jnp.zeros(lse_t.shape, jnp.float32), jnp.arange(n_k))
     else:
         delta_t = _rowsum_delta(do8, do, o, delta, hkv, block_q)
+    # a non-finite delta poisons its row's scores rather than meeting masked pairs
+    tiles_ds = tiles._replace(q=_poisoned(tiles.q, numerics.poison(~jnp.isfinite(delta_t))))
+    delta_ds = numerics.finite_or_zero(delta_t)
 
     def step(carry, j):
         dq, stats = carry
-        p = probs(j)
-        ds = p * (dp_hat(j) - delta_t[..., None])  # [B, Hkv, G, nq, bq, bk]
+        p = probs(j, tiles_ds)
+        ds = p * (dp_hat(j) - delta_ds[..., None])  # [B, Hkv, G, nq, bq, bk]
         # one dS scale per (query tile, key tile): [B, Hkv, G, nq, 1, 1]
         ds_scale = jnp.broadcast_to(
             numerics.tile_scale(ds, precision, axis=(-2, -1), keepdims=True), ds.shape[:-2] + (1, 1)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import correctness, cudnn_fp8_probe, passes
+from benchmarks import correctness, cudnn_fp8_probe, fp8_linear, passes
 
 
 def test_correctness_script_quick(tmp_path):
@@ -164,3 +164,12 @@ def test_tune_block_variants_are_valid():
             reason = triton.supported(q, q, v, spec, var.config)
             assert reason is None, (case.name, name, reason)
             assert with_fwd or with_bwd
+
+
+def test_fp8_linear_script_tiny(tmp_path):
+    assert fp8_linear.main(["--size", "tiny", "--reps", "1", "--out", str(tmp_path)]) == 0
+    result = json.load(open(tmp_path / "fp8_linear.json"))
+    ffn = {r["variant"]: r for r in result["ffn"]}
+    assert result["causality_ok"] and set(ffn) == {"per_token", "per_tensor", "bf16"}
+    assert ffn["bf16"]["err_y"] < ffn["per_token"]["err_y"] < 0.15  # FP8 rounding, not noise
+    assert all(r["ms"] > 0 and r["err_grad"] < 1 for r in result["train_step"])

@@ -195,6 +195,9 @@ def test_presets_and_arms_resolve():
     assert cfg.model_config.vocab_size % 64 == 0 and cfg.model_config.vocab_size >= 257
     tiny = config_lib.parse_args(["--run-dir", "x"])
     assert tiny.model.name == "gdn_gqa-tiny" and tiny.attention == "matched"
+    assert tiny.model_config.fp8_scaling == "per_token"
+    per_tensor = config_lib.parse_args(["--run-dir", "x", "--fp8-scaling", "per_tensor"])
+    assert per_tensor.model_config.fp8_scaling == "per_tensor"
     # Arms differ only in the attention override: same seed, data and everything else.
     a, b = tiny, config_lib.parse_args(["--run-dir", "x", "--attention", "reference"])
     diff = {k for k in a.compat_dict() if a.compat_dict()[k] != b.compat_dict()[k]}

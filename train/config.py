@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from dm_jax.arms import ARM_NAMES as ATTENTION_ARMS
 from dm_jax.backends import IMPLEMENTATIONS
+from dm_jax.nn.fp8 import SCALINGS
 
 DEFAULT_FAMILY = "gdn_gqa"
 OPTIMIZERS = ("adamw", "muon")
@@ -433,6 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rope", default=None, choices=("on", "off"), help="override the preset's RoPE (off = NoPE)")
     a("--head-dim", type=int, default=None)
     a(
+        "--fp8-scaling",
+        default=None,
+        choices=SCALINGS,
+        help="scale granularity of the FP8 linear layers (FFN, attention projections); "
+        "default: per_token (causal); per_tensor for comparison",
+    )
+    a(
         "--mixer-impl",
         default=None,
         choices=("chunked", "naive"),
@@ -549,6 +557,7 @@ FLAG_FIELDS = {
     "qk_norm": ("model.overrides.qk_norm",),
     "rope": ("model.overrides.rope",),
     "head_dim": ("model.overrides.head_dim",),
+    "fp8_scaling": ("model.overrides.fp8_scaling",),
     "mixer_impl": ("model.overrides.mixer_impl",),
     "steps": ("steps",),
     "batch_size": ("batch_size",),
@@ -683,6 +692,7 @@ def _from_args(args) -> RunConfig:
         qk_norm=onoff[args.qk_norm],
         rope=onoff[args.rope],
         head_dim=args.head_dim,
+        fp8_scaling=args.fp8_scaling,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
         vocab_size=data_lib.vocab_size(data),
     )

@@ -11,7 +11,10 @@ Precision scopes (the paper's recipe): `ffn` (SwiGLU matmuls), `attn_proj` (q/k/
 projections), `attn_core` (the softmax-attention core). `None` means "what the attention arm
 implies": the FP8 arms (matched, do_matched, stale, cudnn_fp8) quantize projections and core,
 the reference/bf16 arms keep both in high precision; FFNs are FP8 in every arm by default.
-Mixer projections (GDN, KDA, Mamba-2) stay in bf16.
+Mixer projections (GDN, KDA, Mamba-2) stay in bf16. `fp8_scaling` sets the scale
+granularity of every FP8 linear layer (`dm_jax.nn.fp8.SCALINGS`): "per_token" (default)
+keeps the model causal and the sequences of a batch independent; "per_tensor" is the older
+rule, kept for comparison.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 
 from dm_jax.arms import ARMS, FP8_ARMS, check_arm
 from dm_jax.backends import IMPLEMENTATIONS
+from dm_jax.nn.fp8 import check_scaling
 
 MIXER_KINDS = ("gdn", "mamba2", "kda")
 ATTENTION_KINDS = ("attn", "mla")
@@ -66,6 +70,7 @@ class HybridConfig:
     ffn: str = "fp8"
     attn_proj: str | None = None
     attn_core: str | None = None
+    fp8_scaling: str = "per_token"  # FP8 linear layers (ffn, attn_proj)
 
     def __post_init__(self):
         object.__setattr__(self, "pattern", tuple(self.pattern))
@@ -82,6 +87,7 @@ class HybridConfig:
             val = getattr(self, name)
             if val not in ("fp8", "bf16") and not (name == "attn_proj" and val is None):
                 raise ValueError(f"{name}: must be 'fp8' or 'bf16', got {val!r}")
+        check_scaling(self.fp8_scaling)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}"

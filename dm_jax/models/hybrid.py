@@ -39,6 +39,7 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
         implementation=cfg.attention_implementation,
         core_precision=cfg.attn_core_precision,
         proj_fp8=cfg.attn_proj_fp8,
+        fp8_scaling=cfg.fp8_scaling,
         dtype=dtype,
         rngs=rngs,
     )
@@ -82,7 +83,14 @@ class Block(nnx.Module):
         self.mixer_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mixer = _make_mixer(kind, cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.mlp_hidden, fp8=cfg.ffn == "fp8", dtype=dtype, rngs=rngs)
+        self.mlp = SwiGLU(
+            cfg.d_model,
+            cfg.mlp_hidden,
+            fp8=cfg.ffn == "fp8",
+            fp8_scaling=cfg.fp8_scaling,
+            dtype=dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, x_BTD, *, segment_ids=None, ablate=False, probe=None, capture=None):
         if not ablate:

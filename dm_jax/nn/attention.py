@@ -95,13 +95,16 @@ class GQAttention(_AttentionBase):
         implementation: str | None = None,
         core_precision: str | None = None,
         proj_fp8: bool = False,
+        fp8_scaling: str = "per_token",
         dtype=jnp.bfloat16,
         rngs: nnx.Rngs,
     ):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: {num_kv_heads} must divide num_heads {num_heads}")
         H, Hkv, D = num_heads, num_kv_heads, head_dim
-        lin = lambda i, o, **kw: Linear(i, o, fp8=proj_fp8, dtype=dtype, rngs=rngs, **kw)
+        lin = lambda i, o, **kw: Linear(
+            i, o, fp8=proj_fp8, fp8_scaling=fp8_scaling, dtype=dtype, rngs=rngs, **kw
+        )
         self.q_proj, self.k_proj, self.v_proj = (
             lin(d_model, H * D),
             lin(d_model, Hkv * D),
@@ -148,11 +151,14 @@ class MLAttention(_AttentionBase):
         implementation: str | None = None,
         core_precision: str | None = None,
         proj_fp8: bool = False,
+        fp8_scaling: str = "per_token",
         dtype=jnp.bfloat16,
         rngs: nnx.Rngs,
     ):
         H = num_heads
-        lin = lambda i, o, **kw: Linear(i, o, fp8=proj_fp8, dtype=dtype, rngs=rngs, **kw)
+        lin = lambda i, o, **kw: Linear(
+            i, o, fp8=proj_fp8, fp8_scaling=fp8_scaling, dtype=dtype, rngs=rngs, **kw
+        )
         if q_lora_rank:
             self.q_down, self.q_latent_norm = lin(d_model, q_lora_rank), RMSNorm(q_lora_rank)
             self.q_up = lin(q_lora_rank, H * (nope_dim + rope_dim))

@@ -1,4 +1,4 @@
-"""FP8 matmuls with per-tensor *current* scaling, and the linear layer built on them.
+"""FP8 matmuls with *current* scaling, and the linear layer built on them.
 
 Why a small custom_vjp rather than flax's `fp8_ops` or qwix:
   * flax's `Fp8DotGeneralOp` / `Fp8Einsum` implement *delayed* scaling: scales come from an
@@ -7,19 +7,34 @@ Why a small custom_vjp rather than flax's `fp8_ops` or qwix:
     the training code would have to route around. The paper's FP8 arms use current scaling.
   * qwix is not part of the pinned environment and its API differs between the JAX versions
     this library supports (0.10 on CPU, 0.11 on the GPU machine).
-A 60-line custom_vjp with current scaling is stateless, identical on both versions, and its
-FP8 dots are visible in the jaxpr (tests inspect them).
+A custom_vjp with current scaling is stateless, identical on both versions, and its FP8 dots
+are visible in the jaxpr (tests inspect them).
 
 Numerics: float8_e4m3fn for activations and weights, float8_e5m2 for the output gradient
 (the usual "hybrid" recipe: gradients need range more than precision; Hopper multiplies
 e5m2 by e4m3), FP32 accumulation, saturating casts (clip to the format's max first),
 power-of-two scales `2^floor(log2(max / amax))` (amax == 0 -> 1).
-One scale per tensor (the whole activation, weight or output gradient): a per-tensor scale is
-constant along every contraction dimension, so all three matmuls of a linear layer
-(y = x W, dx = dy W^T, dW = x^T dy) can run on the FP8 operands directly.
+
+Scalings (`SCALINGS`; docs/numerics.md "FP8 linear layers"). Every scale is constant along
+its dot's contraction dim, so it is applied to the FP32 result outside a plain FP8 dot:
+  "per_token" (default), row-wise as in current FP8 training recipes:
+      y  = x W:     one scale per token (row of x) x one per output channel (column of W)
+      dx = dy W^T:  one per token (row of dy)      x one per input channel (row of W)
+      dW = x^T dy:  one per input channel (column of x) x one per output channel (column of dy)
+    A token's forward output depends on that token alone: the layer is causal and keeps
+    sequences (and packed documents) independent. The backward sums over tokens anyway (dW),
+    so its column scales may mix them. dW's x operand is the forward's FP8 x re-scaled per
+    column (a power-of-two rescale of FP8 values: exact unless it falls below E4M3's normal
+    range), so only FP8 activations are kept for the backward, as before.
+  "per_tensor": one scale per tensor (activation, weight, output gradient), shared by all
+    three matmuls; kept for comparison. Its activation scale is the amax over every token of
+    the batch, so a later token (or another sequence) changes how earlier tokens round.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,15 +46,17 @@ FP8 = numerics.FP8_DTYPE
 FP8_MAX = numerics.FP8_MAX
 GRAD_FP8 = jnp.float8_e5m2  # output gradients of the linear layers (wider range)
 GRAD_FP8_MAX = 57344.0
+SCALINGS = ("per_token", "per_tensor")
 
 
-def current_scale(x: jax.Array, fmt_max: float = FP8_MAX) -> jax.Array:
+def current_scale(x: jax.Array, fmt_max: float = FP8_MAX, axis=None) -> jax.Array:
     """Power-of-two scale s with |x * s| <= fmt_max: s = 2^floor(log2(fmt_max / amax(x))).
 
-    The rules are dm_jax.numerics' (amax over finite values, exact floor, amax == 0 -> 1);
-    NaN and Inf propagate through the cast of the offending elements.
+    The amax runs over `axis` (None: the whole tensor), kept as size-1 dims so the scale
+    broadcasts against x. The rules are dm_jax.numerics' (amax over finite values, exact
+    floor, amax == 0 -> 1); NaN and Inf propagate through the cast of the offending elements.
     """
-    return numerics.pow2_scale(numerics.finite_amax(x), fmt_max)
+    return numerics.pow2_scale(numerics.finite_amax(x, axis=axis, keepdims=True), fmt_max)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype=FP8) -> jax.Array:
@@ -47,32 +64,78 @@ def quantize(x: jax.Array, scale: jax.Array, dtype=FP8) -> jax.Array:
     return numerics.quantize(x, scale, dtype)
 
 
-def _dot(a, b, contract):
-    return jax.lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32)
+class _ScaleAxes(NamedTuple):
+    """The axis each operand's amax runs over, per matmul (None: the whole tensor).
+
+    x is [M, K] (tokens x inputs), W [K, N], dy [M, N]; the reduced axis is always the
+    dot's contraction dim, so each scale is constant along it.
+    """
+
+    x_fwd: int | None  # y = x W
+    w_fwd: int | None
+    dy_dx: int | None  # dx = dy W^T
+    w_dx: int | None
+    x_dw: int | None  # dW = x^T dy
+    dy_dw: int | None
 
 
-@jax.custom_vjp
-def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array) -> jax.Array:
-    """y_MN (float32) = x_MK @ w_KN with both operands in FP8 (current per-tensor scales)."""
-    y, _ = _fp8_matmul_fwd(x_MK, w_KN)
+_AXES = {
+    "per_token": _ScaleAxes(x_fwd=1, w_fwd=0, dy_dx=1, w_dx=1, x_dw=0, dy_dw=0),
+    "per_tensor": _ScaleAxes(*(None,) * 6),
+}
+
+
+def check_scaling(scaling: str) -> str:
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling: must be one of {SCALINGS}, got {scaling!r}")
+    return scaling
+
+
+def _scaled_dot(a8, sa, b8, sb, ca: int, cb: int) -> jax.Array:
+    """Decoded FP32 result of a plain FP8 dot of 2-D operands, contracting a's axis `ca`
+    with b's axis `cb`: (a8 . b8) / (s_a s_b) with each scale (size 1 along its contraction
+    axis) broadcast over the result's rows (a's free axis) or columns (b's free axis)."""
+    out = jax.lax.dot_general(
+        a8, b8, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return out / (sa.reshape(-1, 1) * sb.reshape(1, -1))
+
+
+def _quantized(x, axis, fmt_max=FP8_MAX, dtype=FP8):
+    """(x8, scale) with one scale per slice along `axis` (None: one for the tensor)."""
+    s = current_scale(x, fmt_max, axis)
+    return quantize(x, s, dtype), s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, scaling: str = "per_token") -> jax.Array:
+    """y_MN (float32) = x_MK @ w_KN with both operands in FP8 (current scales, `scaling`)."""
+    y, _ = _fp8_matmul_fwd(x_MK, w_KN, scaling)
     return y
 
 
-def _fp8_matmul_fwd(x_MK, w_KN):
-    sx, sw = current_scale(x_MK), current_scale(w_KN)
-    x8, w8 = quantize(x_MK, sx), quantize(w_KN, sw)
-    y = _dot(x8, w8, ((1,), (0,))) / (sx * sw)  # y = (x^ W^) / (s_x s_w), FP32 accumulate
-    like = (jnp.zeros((0,), x_MK.dtype), jnp.zeros((0,), w_KN.dtype))  # dtypes, as arrays
-    return y, (x8, w8, sx, sw, like)
+def _fp8_matmul_fwd(x_MK, w_KN, scaling):
+    ax = _AXES[check_scaling(scaling)]
+    (x8, sx), (w8, sw) = _quantized(x_MK, ax.x_fwd), _quantized(w_KN, ax.w_fwd)
+    y = _scaled_dot(x8, sx, w8, sw, 1, 0)  # y = (x^ W^) / (s_x s_w), FP32 accumulate
+    # w itself is a parameter (held anyway): the backward re-quantizes it when dx needs
+    # other scales. x_like carries x's dtype as an array.
+    return y, (x8, sx, w8, sw, w_KN, jnp.zeros((0,), x_MK.dtype))
 
 
-def _fp8_matmul_bwd(res, dy_MN):
-    x8, w8, sx, sw, (x_like, w_like) = res
-    sg = current_scale(dy_MN, GRAD_FP8_MAX)
-    g8 = quantize(dy_MN, sg, GRAD_FP8)
-    dx = _dot(g8, w8, ((1,), (1,))) / (sg * sw)  # dx = dy^ W^^T
-    dw = _dot(x8, g8, ((0,), (0,))) / (sx * sg)  # dW = x^^T dy^
-    return dx.astype(x_like.dtype), dw.astype(w_like.dtype)
+def _fp8_matmul_bwd(scaling, res, dy_MN):
+    x8, sx, w8, sw, w_KN, x_like = res
+    ax = _AXES[scaling]
+    g8, sg = _quantized(dy_MN, ax.dy_dx, GRAD_FP8_MAX, GRAD_FP8)
+    if ax.w_dx != ax.w_fwd:
+        w8, sw = _quantized(w_KN, ax.w_dx)
+    dx = _scaled_dot(g8, sg, w8, sw, 1, 1)  # dx = dy^ W^^T
+    if ax.dy_dw != ax.dy_dx:
+        g8, sg = _quantized(dy_MN, ax.dy_dw, GRAD_FP8_MAX, GRAD_FP8)
+    if ax.x_dw != ax.x_fwd:
+        x8, sx = _quantized(numerics.dequantize(x8, sx), ax.x_dw)
+    dw = _scaled_dot(x8, sx, g8, sg, 0, 0)  # dW = x^^T dy^
+    return dx.astype(x_like.dtype), dw.astype(w_KN.dtype)
 
 
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -104,17 +167,24 @@ def fp8_dot_count(closed_jaxpr) -> int:
 
 
 def fp8_dot_general(
-    x_XK, w_KN, dimension_numbers=None, precision=None, preferred_element_type=None, **kwargs
+    x_XK,
+    w_KN,
+    dimension_numbers=None,
+    precision=None,
+    preferred_element_type=None,
+    *,
+    scaling: str = "per_token",
+    **kwargs,
 ) -> jax.Array:
     """`jax.lax.dot_general` as `nnx.Linear` calls it (x's last dim against w's first), with
-    both operands in FP8 (`fp8_matmul`); returns float32 [..., N]."""
+    both operands in FP8 (`fp8_matmul` with `scaling`); returns float32 [..., N]."""
     del precision, preferred_element_type, kwargs  # FP32 accumulation, always
     if dimension_numbers is not None and dimension_numbers != (((x_XK.ndim - 1,), (0,)), ((), ())):
         raise ValueError(
             f"dimension_numbers: the FP8 dot contracts x's last dim with w's first, "
             f"got {dimension_numbers}"
         )
-    y_MN = fp8_matmul(x_XK.reshape(-1, x_XK.shape[-1]), w_KN)
+    y_MN = fp8_matmul(x_XK.reshape(-1, x_XK.shape[-1]), w_KN, scaling)
     return y_MN.reshape(*x_XK.shape[:-1], w_KN.shape[-1])
 
 
@@ -129,7 +199,8 @@ def _cast_input_only(args, *, dtype=None, inexact=True):
 class Linear(nnx.Linear):
     """`nnx.Linear` (y = x @ W (+ b), weights stored in float32) whose output is in `dtype`
     (bf16 by default), with the matmul in FP8 (current scaling, `fp8_dot_general`) when
-    `fp8=True`, otherwise in `dtype` with FP32 accumulation.
+    `fp8=True`, otherwise in `dtype` with FP32 accumulation. `fp8_scaling` picks the FP8
+    scale granularity (`SCALINGS`: "per_token" keeps every token's output its own).
 
     The kernel is initialized N(0, init_std^2), init_std defaulting to in_features^-1/2.
     """
@@ -140,6 +211,7 @@ class Linear(nnx.Linear):
         out_features: int,
         *,
         fp8: bool = False,
+        fp8_scaling: str = "per_token",
         use_bias: bool = False,
         dtype=jnp.bfloat16,
         init_std: float | None = None,
@@ -150,7 +222,8 @@ class Linear(nnx.Linear):
                 f"in_features/out_features must be positive, got {in_features}/{out_features}"
             )
         std = init_std if init_std is not None else in_features**-0.5
-        extra = dict(dot_general=fp8_dot_general, promote_dtype=_cast_input_only) if fp8 else {}
+        dot = functools.partial(fp8_dot_general, scaling=check_scaling(fp8_scaling))
+        extra = dict(dot_general=dot, promote_dtype=_cast_input_only) if fp8 else {}
         super().__init__(
             in_features,
             out_features,
@@ -162,7 +235,7 @@ class Linear(nnx.Linear):
             rngs=rngs,
             **extra,
         )
-        self.fp8 = fp8
+        self.fp8, self.fp8_scaling = fp8, fp8_scaling
 
     def __call__(self, x_XK: jax.Array) -> jax.Array:
         """x_XK [..., in_features] -> [..., out_features] in `dtype`."""

@@ -13,7 +13,11 @@ Contract (docs/numerics.md):
   * NaN and Inf propagate: ``amax`` ignores non-finite values (one bad element must not
     poison the scale of its whole block), and a non-finite element encodes as NaN;
   * Q, K, V, dO: one scale per (batch, head, block of ``SCALE_BLOCK`` tokens);
-  * P: fixed scale ``P_SCALE`` (P lies in [0, 1]); dS: one dynamic scale per kernel tile.
+  * P: fixed scale ``P_SCALE`` (P lies in [0, 1]); dS: one dynamic scale per kernel tile;
+  * masked (query, key) pairs contribute nothing, NaN included: a token whose Q, K, V or dO
+    row holds a non-finite value is zeroed for the dots and instead poisons the scores of
+    the pairs it is part of (:func:`nonfinite_tokens`, :func:`poison`), so NaN reaches
+    exactly the queries that see it.
 
 Every function here is written with plain ``jnp``/``lax`` element-wise ops and reductions so
 that Pallas kernels can call the same code on their tiles.
@@ -94,6 +98,27 @@ def quantize(x, scale, dtype=FP8_DTYPE):
     # Inf would be clipped to the max (silently hiding it): encode it as NaN.
     y = jnp.where(jnp.abs(y) == jnp.inf, jnp.nan, clipped)
     return y.astype(dtype)
+
+
+def nonfinite_tokens(x_BHTD):
+    """[B, H, T] bool: the token's row (over the head dim) holds a NaN or an Inf."""
+    return jnp.any(~jnp.isfinite(x_BHTD), axis=-1)
+
+
+def finite_or_zero(x):
+    """x with every NaN and Inf replaced by 0 (the value a masked pair may safely meet)."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+def poison(bad):
+    """f32 0 where ``bad`` is False, NaN where True: added to (or multiplied into) the
+    per-token score factors so that S_ij is NaN exactly for the pairs that touch a bad
+    token; the mask then turns the pairs nobody may see into -inf, as for any score.
+
+    Pairs a query sees get NaN in S, hence in its P row, its lse and its output row, as a
+    NaN in its Q or in a visible K would give; no masked pair ever multiplies a NaN.
+    """
+    return jnp.where(bad, jnp.float32(jnp.nan), jnp.float32(0.0))
 
 
 def fixed_order_sum(x):

@@ -64,8 +64,9 @@ def dot_tt(a, b):
 
 
 def tile_scalar(inv_vec):
-    """The one decode factor of a tile from its per-token vector (all entries are equal)."""
-    return jnp.max(inv_vec)
+    """The one decode factor of a tile from its per-token vector (all entries are equal,
+    but for NaN on poisoned tokens: quantize.with_poison; max skips them)."""
+    return jnp.max(jnp.where(inv_vec == inv_vec, inv_vec, 0.0))
 
 
 def valid_mask(mask: MaskSpec, q_pos, k_pos, q_seg: Optional[jax.Array], k_seg):

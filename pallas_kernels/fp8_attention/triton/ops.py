@@ -11,6 +11,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, BackwardResult, ForwardResult, Pass
 from pallas_kernels.fp8_attention.triton import backward as bwd_kernels
 from pallas_kernels.fp8_attention.triton import delta as delta_kernels
@@ -23,6 +24,7 @@ from pallas_kernels.fp8_attention.triton.quantize import (
     pad_segment_ids,
     padded_length,
     quantize,
+    with_poison,
 )
 
 Config = TritonConfig
@@ -71,9 +73,9 @@ def forward(
     """Flash forward: out [B, T, Hq, Dv] in q's dtype, lse [B, Hq, T] f32."""
     t, dv = q.shape[1], v.shape[3]
     precision = spec.precision
-    q8 = quantize(q, precision)
-    k8 = quantize(k, precision)
-    v8 = quantize(v, precision, k_major=True)
+    q8, k8, v8 = _poisoned_forward(
+        quantize(q, precision), quantize(k, precision), quantize(v, precision, k_major=True)
+    )
     q_seg, kv_seg = _segments(q_ids, kv_ids, q8.values.shape[2], k8.values.shape[2])
     o, lse = _forward_call(
         q8,
@@ -90,6 +92,11 @@ def forward(
     return ForwardResult(jnp.swapaxes(o[:, :, :t, :dv], 1, 2), lse[:, :, :t])
 
 
+def _poisoned_forward(q8, k8, v8):
+    """Scores of bad query rows (Q) and bad keys (K or V) become NaN, wherever visible."""
+    return with_poison(q8, q8.nonfinite), with_poison(k8, k8.nonfinite, v8.nonfinite), v8
+
+
 class _BackwardOperands(NamedTuple):
     """What the delta, dQ and dK/dV passes read: operands quantized with their K-major
     copies, padded segment ids and lse, and the keyword arguments of every pass."""
@@ -100,7 +107,7 @@ class _BackwardOperands(NamedTuple):
     do8: QuantizedTensor
     q_seg: Optional[jax.Array]
     kv_seg: Optional[jax.Array]
-    lse: jax.Array  # [B, Hq, Tp]
+    lse: jax.Array  # [B, Hq, Tp], NaN (rows that saw a bad token) zeroed and poisoned in q8
     kwargs: dict
 
 
@@ -117,6 +124,9 @@ def _quantize_backward(q, k, v, do, precision):
 def _backward_operands(q, k, v, lse, do, q_ids, kv_ids, spec, config, interpret):
     q8, k8, v8, do8 = _quantize_backward(q, k, v, do, spec.precision)
     tp, sp = q8.values.shape[2], k8.values.shape[2]
+    lse = pad_rows(lse, tp)
+    q8, k8, v8 = _poisoned_forward(q8, k8, v8)
+    q8 = with_poison(q8, do8.nonfinite, jnp.isnan(lse))  # +inf (rows that see nothing) stays
     q_seg, kv_seg = _segments(q_ids, kv_ids, tp, sp)
     kwargs = dict(
         mask=_mask(q, k, q_ids, spec.causal),
@@ -128,7 +138,16 @@ def _backward_operands(q, k, v, lse, do, q_ids, kv_ids, spec, config, interpret)
         interpret=interpret,
         fp8_accumulation=config.fp8_accumulation,
     )
-    return _BackwardOperands(q8, k8, v8, do8, q_seg, kv_seg, pad_rows(lse, tp), kwargs)
+    lse = jnp.where(jnp.isnan(lse), 0.0, lse)
+    return _BackwardOperands(q8, k8, v8, do8, q_seg, kv_seg, lse, kwargs)
+
+
+def _ds_operands(ops: _BackwardOperands, delta_p):
+    """The dQ and dK/dV passes' operands: a non-finite delta row is zeroed and poisons its
+    row's scores instead (a masked pair would multiply it by P = 0)."""
+    q8 = with_poison(ops.q8, ~jnp.isfinite(delta_p))
+    delta_ds = numerics.finite_or_zero(delta_p)
+    return (q8, ops.k8, ops.v8, ops.do8, ops.lse, delta_ds, ops.q_seg, ops.kv_seg)
 
 
 def _delta(ops: _BackwardOperands, do, out, mode):
@@ -179,7 +198,7 @@ def backward(
     dqk, dv_dim = q.shape[3], v.shape[3]
     ops = _backward_operands(q, k, v, lse, do, q_ids, kv_ids, spec, config, interpret)
     delta_p = _delta(ops, do, out, spec.delta)
-    operands = (ops.q8, ops.k8, ops.v8, ops.do8, ops.lse, delta_p, ops.q_seg, ops.kv_seg)
+    operands = _ds_operands(ops, delta_p)
     dq, stats = bwd_kernels.dq_pass(
         *operands, precision=spec.precision, with_stats=with_stats, **ops.kwargs
     )
@@ -214,7 +233,7 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: TritonConfig, interpret:
     out, lse = forward(q, k, v, spec=spec, config=config, interpret=interpret)
     ops = _backward_operands(q, k, v, lse, do, None, None, spec, config, interpret)
     delta_p = _delta(ops, do, out, "matched")
-    operands = (ops.q8, ops.k8, ops.v8, ops.do8, ops.lse, delta_p)
+    operands = _ds_operands(ops, delta_p)[:6]
 
     def forward_kernel(q8, k8, v8):
         return _forward_call(

@@ -12,10 +12,17 @@ out the way the kernels read it:
     contract over tokens (P^ V^, P^^T dO^, dS^ K^, dS^^T Q^), only when asked for.
   * ``inv_scale`` [B, H, Tp] f32: the decode factor 1 / scale of every token (constant
     over each 128-token block, hence over each kernel tile).
+  * ``nonfinite`` [B, H, Tp] bool: the token's row held a NaN or an Inf; its values are
+    zeroed, so that no masked (query, key) pair ever multiplies a non-finite number.
+    :func:`with_poison` puts such tokens back into play where they belong: NaN added to
+    the per-token factors of the scores (``inv_scale`` of Q or K; the kernels take each
+    tile's decode factor with :func:`..common.tile_scalar`, which skips the NaN), so S_ij
+    is NaN exactly for the visible pairs that touch a bad token.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -27,7 +34,8 @@ from pallas_kernels.fp8_attention import numerics
 class QuantizedTensor(NamedTuple):
     values: jax.Array  # [B, H, Tp, Dp] E4M3 (fp8) or bf16
     values_t: Optional[jax.Array]  # [B, H, Dp, Tp] or None
-    inv_scale: jax.Array  # [B, H, Tp] f32
+    inv_scale: jax.Array  # [B, H, Tp] f32 (NaN where poisoned, see with_poison)
+    nonfinite: jax.Array  # [B, H, Tp] bool
 
 
 def padded_length(n: int) -> int:
@@ -46,9 +54,18 @@ def quantize(x_BTHD, precision: str, *, k_major: bool = False) -> QuantizedTenso
     tp, dp = padded_length(t), padded_head_dim(d)
     x = jnp.swapaxes(x_BTHD, 1, 2)  # [B, H, T, D]
     x = jnp.pad(x, ((0, 0), (0, 0), (0, tp - t), (0, dp - d)))
-    x8, scales = numerics.quantize_tokens(x, precision)  # scales [B, H, Tp / 128]
+    bad = numerics.nonfinite_tokens(x)
+    # scales [B, H, Tp / 128]; the amax skips non-finite values, so zeroing them first
+    # leaves every scale as it was
+    x8, scales = numerics.quantize_tokens(numerics.finite_or_zero(x), precision)
     inv = 1.0 / numerics.expand_token_scales(scales, tp)
-    return QuantizedTensor(x8, jnp.swapaxes(x8, 2, 3) if k_major else None, inv)
+    return QuantizedTensor(x8, jnp.swapaxes(x8, 2, 3) if k_major else None, inv, bad)
+
+
+def with_poison(x: QuantizedTensor, *bad_BHT) -> QuantizedTensor:
+    """``x`` whose score factors are NaN for the tokens flagged in any of ``bad_BHT``."""
+    bad = functools.reduce(jnp.logical_or, bad_BHT)
+    return x._replace(inv_scale=x.inv_scale + numerics.poison(bad))
 
 
 def pad_rows(x_BHT, tp: int, value=0.0):

@@ -1,0 +1,79 @@
+"""FP8 linear layers (dm_jax.nn.fp8): per-token scaling keeps every token's output its own,
+per-tensor scaling (kept for comparison) does not; both stay close to f32, forward and
+backward, and every matmul stays a plain FP8 dot."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from dm_jax.nn import fp8
+
+M, K, N = 48, 64, 40
+
+
+def _inputs(seed=0):
+    kx, kw, kr = jax.random.split(jax.random.key(seed), 3)
+    # rows of very different magnitudes, as activations with outlier tokens have
+    row_gain = jnp.exp2(jax.random.randint(kr, (M, 1), -12, 5).astype(jnp.float32))
+    x = jax.random.normal(kx, (M, K)) * row_gain
+    return x, jax.random.normal(kw, (K, N)) * K**-0.5
+
+
+def _rel(a, b):
+    return float(jnp.abs(a - b).max() / jnp.abs(b).max())
+
+
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+def test_forward_and_backward_are_close_to_f32(scaling):
+    x, w = _inputs()
+    dy = jax.random.normal(jax.random.key(9), (M, N))
+    y, vjp = jax.vjp(lambda x, w: fp8.fp8_matmul(x, w, scaling), x, w)
+    y_ref, vjp_ref = jax.vjp(jnp.matmul, x, w)
+    assert y.dtype == jnp.float32 and y.shape == (M, N)
+    # per row: E4M3 rounds each operand to 2^-4 relative; the output keeps that size
+    row_err = jnp.abs(y - y_ref).max(1) / jnp.abs(y_ref).max(1)
+    dx, dw = vjp(dy)
+    dx_ref, dw_ref = vjp_ref(dy)
+    if scaling == "per_token":
+        assert float(row_err.max()) < 0.1  # every token as accurate as the others
+        assert _rel(dx, dx_ref) < 0.25 and _rel(dw, dw_ref) < 0.1  # E5M2 dy: 2^-3
+    else:  # the small rows share the big rows' scale and fall into E4M3's subnormals
+        assert _rel(y, y_ref) < 0.1 and float(row_err.max()) > 0.1
+    assert _rel(dw, dw_ref) < 0.1
+
+
+def test_per_token_rows_depend_on_their_own_token_only():
+    x, w = _inputs()
+    other = x.at[30:].multiply(1000.0)  # later tokens with a far larger amax
+    dx_seed = jax.random.normal(jax.random.key(3), (M, N))
+    for scaling, same in (("per_token", True), ("per_tensor", False)):
+        y, vjp = jax.vjp(lambda x: fp8.fp8_matmul(x, w, scaling), x)
+        y2, vjp2 = jax.vjp(lambda x: fp8.fp8_matmul(x, w, scaling), other)
+        assert bool(jnp.array_equal(y[:30], y2[:30])) is same, scaling
+        if same:  # dx of a token uses that token's dy and W only
+            g = dx_seed.at[30:].multiply(1e4)
+            assert bool(jnp.array_equal(vjp(dx_seed)[0][:30], vjp(g)[0][:30]))
+
+
+def test_scales_stay_outside_plain_fp8_dots():
+    x, w = _inputs()
+    for scaling in fp8.SCALINGS:
+        fwd = jax.make_jaxpr(lambda x, w: fp8.fp8_matmul(x, w, scaling))(x, w)
+        grads = jax.make_jaxpr(jax.grad(lambda x, w: fp8.fp8_matmul(x, w, scaling).sum(), (0, 1)))
+        assert fp8.fp8_dot_count(fwd) == 1
+        assert fp8.fp8_dot_count(grads(x, w)) == 3  # y, dx, dW
+
+
+def test_linear_layer_takes_the_scaling_and_rejects_unknown_ones():
+    lin = fp8.Linear(K, N, fp8=True, fp8_scaling="per_tensor", rngs=nnx.Rngs(0))
+    x, _ = _inputs()
+    w = lin.kernel.get_value()
+    np.testing.assert_array_equal(
+        lin(x), fp8.fp8_matmul(x.astype(jnp.bfloat16), w, "per_tensor").astype(jnp.bfloat16)
+    )
+    with pytest.raises(ValueError, match="scaling: must be one of"):
+        fp8.Linear(K, N, fp8=True, fp8_scaling="per_row", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="scaling: must be one of"):
+        fp8.fp8_matmul(x, w, "blockwise")
