@@ -34,7 +34,7 @@ def hidden_matrix_mask(model: nnx.Module, params: nnx.State, vocab_size: int):
     nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
 
     def is_hidden(keypath, x):
-        path = _param_path(keypath)
+        path = param_path(keypath)
         owner = nodes.get(path[:-1])
         return bool(
             x.ndim == 2
@@ -46,7 +46,8 @@ def hidden_matrix_mask(model: nnx.Module, params: nnx.State, vocab_size: int):
     return jax.tree_util.tree_map_with_path(is_hidden, params)
 
 
-def _param_path(keypath) -> tuple:
+def param_path(keypath) -> tuple:
+    """The names along a tree key path (a Variable's trailing `value` left out)."""
     path = tuple(_key_name(k) for k in keypath)
     return path[:-1] if path and path[-1] == "value" else path
 
@@ -62,7 +63,7 @@ def qk_gain_mask(model: nnx.Module, params: nnx.State):
             norms |= {id(node.q_norm), id(node.k_norm)}
     nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
     return jax.tree_util.tree_map_with_path(
-        lambda keypath, _: id(nodes.get(_param_path(keypath)[:-1])) in norms, params
+        lambda keypath, _: id(nodes.get(param_path(keypath)[:-1])) in norms, params
     )
 
 
