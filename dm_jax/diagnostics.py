@@ -7,6 +7,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from dm_jax import backends
+from dm_jax.reference import attention_probabilities
 from dm_jax.attention_op import is_empty, prepare_call
 
 
@@ -106,3 +107,25 @@ def gain_statistics(g_q, g_k, *, top: int = 4):
         "top1_share": energy[0] / total,
         "top4_share": jnp.sum(energy[:4]) / total,
     }
+
+
+def attention_peakiness(
+    q, k, *, causal: bool = False, scale: Optional[float] = None, segment_ids=None
+):
+    """Largest attention probability of every query row, max_j P_ij, of high-precision
+    attention (1: one key takes all the attention; 1/n: uniform over n visible keys).
+
+    Args:
+      q: [B, T, Hq, Dqk]; k: [B, S, Hkv, Dqk]; causal, scale, segment_ids as
+        :func:`dm_jax.attention`.
+    Returns:
+      [B, Hq, T] float32; rows with no visible key report 0.
+    """
+    if q.ndim != 4 or k.ndim != 4 or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"q, k: expected [B, T, Hq, D] and [B, S, Hkv, D] with Hq % Hkv == 0, got "
+            f"{q.shape}, {k.shape}"
+        )
+    p = attention_probabilities(q, k, causal=causal, scale=scale, segment_ids=segment_ids)
+    b, hkv, group, t, _ = p.shape
+    return jnp.max(p, axis=-1).reshape(b, hkv * group, t)

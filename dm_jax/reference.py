@@ -41,14 +41,14 @@ def _dot(a, b, contract):
 # --------------------------------------------------------------------------------------
 # High-precision attention
 # --------------------------------------------------------------------------------------
-def mha_reference(q, k, v, *, causal=False, scale=None, segment_ids=None):
-    """High-precision attention in f32.
+def attention_probabilities(q, k, *, causal=False, scale=None, segment_ids=None):
+    """Softmax probabilities P of high-precision attention, in f32.
 
     Args:
-      q: [B, T, Hq, Dqk]; k: [B, S, Hkv, Dqk]; v: [B, S, Hkv, Dv]; Hq % Hkv == 0.
-      segment_ids: None, [B, T] (T == S) or (q_ids [B, T], kv_ids [B, S]).
+      q: [B, T, Hq, Dqk]; k: [B, S, Hkv, Dqk]; Hq % Hkv == 0; segment_ids as `mha_reference`.
     Returns:
-      [B, T, Hq, Dv] in q's dtype. Rows with no visible key are 0.
+      [B, Hkv, Hq // Hkv, T, S] float32 (query head h = kv head * group + g). Rows with no
+      visible key are 0.
     """
     b, t, hq, dqk = q.shape
     s, hkv = k.shape[1], k.shape[2]
@@ -65,7 +65,20 @@ def mha_reference(q, k, v, *, causal=False, scale=None, segment_ids=None):
     row_max = jnp.where(jnp.isneginf(row_max), 0.0, row_max)
     p = jnp.exp(logits - row_max)
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom == 0, 1.0, denom)
+    return p / jnp.where(denom == 0, 1.0, denom)
+
+
+def mha_reference(q, k, v, *, causal=False, scale=None, segment_ids=None):
+    """High-precision attention in f32.
+
+    Args:
+      q: [B, T, Hq, Dqk]; k: [B, S, Hkv, Dqk]; v: [B, S, Hkv, Dv]; Hq % Hkv == 0.
+      segment_ids: None, [B, T] (T == S) or (q_ids [B, T], kv_ids [B, S]).
+    Returns:
+      [B, T, Hq, Dv] in q's dtype. Rows with no visible key are 0.
+    """
+    b, t, hq, _ = q.shape
+    p = attention_probabilities(q, k, causal=causal, scale=scale, segment_ids=segment_ids)
     out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32), precision=_HIGHEST)
     return out.reshape(b, t, hq, v.shape[-1]).astype(q.dtype)
 

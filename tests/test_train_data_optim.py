@@ -161,3 +161,53 @@ def test_small_text_folder_splits_by_tokens(tmp_path):
     run = config_lib.parse_args(["--data", str(tmp_path), "--run-dir", str(tmp_path / "run")])
     train, val = data_lib.make_batches(run, s)  # the default tiny batch fits both splits
     assert val.batch(0)["tokens"].shape == (8, 128) and train.num_windows > val.num_windows
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_qk_gain_learning_rate_and_no_gain_decay(name):
+    """The QK-norm gains (found by the attention layer that owns them) take
+    `qk_gain_lr_ratio` x the AdamW step; no gain is weight-decayed."""
+    from dm_jax import models
+
+    model = models.HybridLM(models.preset("gdn_gqa", "tiny"), rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    gains = optim.qk_gain_mask(model, params)
+    marked = {jax.tree_util.keystr(p) for p, m in jax.tree_util.tree_leaves_with_path(gains) if m}
+    n_attention = len(models.qk_gains(model))
+    assert len(marked) == 2 * n_attention and n_attention >= 1
+    assert all("scale" in k and ("q_norm" in k or "k_norm" in k) for k in marked)
+
+    def first_update(ratio, grad_value):
+        cfg = config_lib.OptimizerConfig(
+            name=name, learning_rate=0.01, warmup_steps=0, weight_decay=0.5, qk_gain_lr_ratio=ratio
+        )
+        hidden = optim.hidden_matrix_mask(model, params, model.config.vocab_size)
+        tx = cfg.build(10, hidden, qk_gain_mask=gains)
+        grads = jax.tree.map(lambda x: jnp.full_like(x, grad_value), params)
+        updates, _ = tx.update(grads, tx.init(params), params)
+        return {jax.tree_util.keystr(p): u for p, u in jax.tree_util.tree_leaves_with_path(updates)}
+
+    plain, raised = first_update(1.0, 1.0), first_update(7.0, 1.0)
+    for key in plain:
+        want = 7.0 if key in marked else 1.0
+        np.testing.assert_allclose(
+            np.asarray(raised[key]), want * np.asarray(plain[key]), rtol=1e-5
+        )
+    # Zero gradients: only weight decay moves a parameter; it never reaches a gain.
+    decay_only = first_update(7.0, 0.0)
+    vectors = {k for k, u in decay_only.items() if np.ndim(u) <= 1}  # gains, biases, scalars
+    assert marked <= vectors
+    assert all(not np.any(np.asarray(decay_only[k])) for k in vectors)
+    assert any(np.any(np.asarray(u)) for u in decay_only.values())  # the matrices do decay
+
+    no_norm = models.HybridLM(models.preset("gdn_gqa", "tiny", qk_norm=False), rngs=nnx.Rngs(0))
+    no_params = nnx.state(no_norm, nnx.Param)
+    cfg = config_lib.OptimizerConfig(name=name, qk_gain_lr_ratio=3.0)
+    with pytest.raises(ValueError, match="qk-gain-lr-ratio"):
+        cfg.build(
+            10,
+            jax.tree.map(lambda _: False, no_params),
+            qk_gain_mask=optim.qk_gain_mask(no_norm, no_params),
+        )
+    with pytest.raises(ValueError, match="qk-gain-lr-ratio"):
+        config_lib.OptimizerConfig(qk_gain_lr_ratio=0.0).validate()

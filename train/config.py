@@ -125,6 +125,7 @@ class OptimizerConfig:
     name: str = "adamw"
     learning_rate: float = 3e-3
     adam_lr_ratio: float = 1.0  # Muon runs: AdamW lr = learning_rate * ratio for non-hidden params
+    qk_gain_lr_ratio: float = 1.0  # query/key RMSNorm gains: AdamW lr * ratio (a stress setting)
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     b1: float = 0.9
@@ -149,6 +150,11 @@ class OptimizerConfig:
             "--adam-lr-ratio",
             f"must be a positive number, got {self.adam_lr_ratio}",
         )
+        _check(
+            _positive(self.qk_gain_lr_ratio),
+            "--qk-gain-lr-ratio",
+            f"must be a positive number, got {self.qk_gain_lr_ratio}",
+        )
         _check(self.warmup_steps >= 0, "--warmup", f"must be >= 0, got {self.warmup_steps}")
         _check(
             self.weight_decay >= 0 and math.isfinite(self.weight_decay),
@@ -161,12 +167,13 @@ class OptimizerConfig:
             f"must be a positive number, got {self.clip_norm}",
         )
 
-    def build(self, total_steps: int, hidden_mask, extensions: tuple = ()):
+    def build(self, total_steps: int, hidden_mask, extensions: tuple = (), qk_gain_mask=None):
         """optax transformation; `hidden_mask` is a bool tree, True for Muon's hidden matrices;
-        `extensions` as in `RunConfig.extensions` (the schedule stays continuous across them)."""
+        `extensions` as in `RunConfig.extensions` (the schedule stays continuous across them);
+        `qk_gain_mask` (`train.optim.qk_gain_mask`) is needed when `qk_gain_lr_ratio != 1`."""
         from train import optim
 
-        return optim.build_optimizer(self, total_steps, hidden_mask, extensions)
+        return optim.build_optimizer(self, total_steps, hidden_mask, extensions, qk_gain_mask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,6 +496,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         help="muon: AdamW lr / Muon lr for embeddings, head, gains",
     )
+    a(
+        "--qk-gain-lr-ratio",
+        type=float,
+        default=1.0,
+        help="learning rate of the query/key RMSNorm gains / the AdamW rate (a stress "
+        "setting for gain-drift experiments; gains never get weight decay)",
+    )
     a("--warmup", type=int, default=None, help="warmup steps (default: 10%% of --steps)")
     a("--weight-decay", type=float, default=0.1)
     a("--clip-norm", type=float, default=1.0)
@@ -571,6 +585,7 @@ FLAG_FIELDS = {
     "optimizer": ("optimizer.name",),
     "lr": ("optimizer.learning_rate",),
     "adam_lr_ratio": ("optimizer.adam_lr_ratio",),
+    "qk_gain_lr_ratio": ("optimizer.qk_gain_lr_ratio",),
     "warmup": ("optimizer.warmup_steps",),
     "weight_decay": ("optimizer.weight_decay",),
     "clip_norm": ("optimizer.clip_norm",),
@@ -700,6 +715,7 @@ def _from_args(args) -> RunConfig:
         name=args.optimizer,
         learning_rate=given(args.lr, defaults["learning_rate"]),
         adam_lr_ratio=args.adam_lr_ratio,
+        qk_gain_lr_ratio=args.qk_gain_lr_ratio,
         warmup_steps=given(args.warmup, max(1, steps // 10)),
         weight_decay=args.weight_decay,
         clip_norm=args.clip_norm,

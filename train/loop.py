@@ -358,7 +358,8 @@ def train(
             f"is {model_vocab}"
         )
     hidden = optim.hidden_matrix_mask(model, params, model_vocab)
-    opt_state = cfg.optimizer.build(cfg.steps, hidden).init(
+    gains = optim.qk_gain_mask(model, params)
+    opt_state = cfg.optimizer.build(cfg.steps, hidden, qk_gain_mask=gains).init(
         params
     )  # the schedule does not shape it
     created = _create_run_dir(cfg)
@@ -384,7 +385,7 @@ def train(
             params, opt_state = trees["params"], trees.get("opt_state", opt_state)
             console.note(f"initialized from {cfg.init_from} (step {meta['step']})")
         _save_config(cfg, model)
-        tx = cfg.optimizer.build(cfg.steps, hidden, cfg.extensions)
+        tx = cfg.optimizer.build(cfg.steps, hidden, cfg.extensions, qk_gain_mask=gains)
         return _run(
             cfg,
             hooks,

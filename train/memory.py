@@ -117,7 +117,11 @@ def estimate(cfg, build: Callable, n_devices: int = 1, *, gpu: bool = False) -> 
     model = nnx.eval_shape(lambda: build(cfg))
     params = nnx.state(model, nnx.Param)
     vocab = getattr(getattr(model, "config", None), "vocab_size", 0)
-    tx = cfg.optimizer.build(cfg.steps, optim.hidden_matrix_mask(model, params, vocab))
+    tx = cfg.optimizer.build(
+        cfg.steps,
+        optim.hidden_matrix_mask(model, params, vocab),
+        qk_gain_mask=optim.qk_gain_mask(model, params),
+    )
     p_bytes, o_bytes = _nbytes(params), _nbytes(jax.eval_shape(tx.init, params))
     impl = dict(cfg.model.overrides).get("attention_implementation")
     kernels = impl in ("pallas", "triton", "mosaic") or (impl is None and gpu)

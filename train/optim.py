@@ -5,6 +5,11 @@ parameter is a *hidden matrix* when it is 2-D, its owning module is not an embed
 convolution, it does not touch the vocabulary (embedding / LM head), and both dimensions are
 wider than a short-convolution kernel. Embeddings, the LM head, norm gains, biases, convolution
 kernels and per-head scalars go to AdamW.
+
+The query/key RMSNorm gains of the attention layers (found the same way, by the layer that
+owns them) can get their own learning rate, `qk_gain_lr_ratio` times the AdamW rate: a stress
+setting for experiments on gain drift. No gain, bias or scalar ever gets weight decay
+(`decay_mask`).
 """
 
 from __future__ import annotations
@@ -29,9 +34,7 @@ def hidden_matrix_mask(model: nnx.Module, params: nnx.State, vocab_size: int):
     nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
 
     def is_hidden(keypath, x):
-        path = tuple(_key_name(k) for k in keypath)
-        if path and path[-1] == "value":
-            path = path[:-1]
+        path = param_path(keypath)
         owner = nodes.get(path[:-1])
         return bool(
             x.ndim == 2
@@ -41,6 +44,27 @@ def hidden_matrix_mask(model: nnx.Module, params: nnx.State, vocab_size: int):
         )
 
     return jax.tree_util.tree_map_with_path(is_hidden, params)
+
+
+def param_path(keypath) -> tuple:
+    """The names along a tree key path (a Variable's trailing `value` left out)."""
+    path = tuple(_key_name(k) for k in keypath)
+    return path[:-1] if path and path[-1] == "value" else path
+
+
+def qk_gain_mask(model: nnx.Module, params: nnx.State):
+    """Bool tree shaped like `params`: True for the query and key RMSNorm gains of every
+    attention layer (`dm_jax.nn.GQAttention`, `dm_jax.nn.MLAttention` with QK-norm)."""
+    from dm_jax.nn import GQAttention, MLAttention
+
+    norms = set()
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, (GQAttention, MLAttention)) and node.q_norm is not None:
+            norms |= {id(node.q_norm), id(node.k_norm)}
+    nodes = {tuple(path): node for path, node in nnx.iter_graph(model)}
+    return jax.tree_util.tree_map_with_path(
+        lambda keypath, _: id(nodes.get(param_path(keypath)[:-1])) in norms, params
+    )
 
 
 def decay_mask(params):
@@ -96,23 +120,37 @@ def _adamw(cfg, lr, mask_fn=decay_mask):
 
 
 def build_optimizer(
-    cfg, total_steps: int, hidden_mask, extensions=()
+    cfg, total_steps: int, hidden_mask, extensions=(), qk_gain_mask=None
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW or Muon+AdamW, on a warmup-cosine schedule.
 
     `hidden_mask` is the bool tree from `hidden_matrix_mask` (ignored for AdamW);
-    `extensions` as in `schedule`.
+    `extensions` as in `schedule`. With `cfg.qk_gain_lr_ratio != 1`, the parameters that
+    `qk_gain_mask` (the bool tree from `qk_gain_mask`) marks get their own AdamW with that
+    multiple of the AdamW learning rate (same schedule shape, no weight decay).
     """
     lr = schedule(cfg, total_steps, cfg.learning_rate, extensions)
-    if cfg.name == "adamw":
-        inner = _adamw(cfg, lr)
-    else:
-        adam_lr = schedule(cfg, total_steps, cfg.learning_rate * cfg.adam_lr_ratio, extensions)
-        muon = optax.contrib.muon(
+    adam_peak = cfg.learning_rate * (cfg.adam_lr_ratio if cfg.name == "muon" else 1.0)
+    groups = {"adamw": _adamw(cfg, schedule(cfg, total_steps, adam_peak, extensions))}
+    labels = jax.tree.map(
+        lambda hidden: "muon" if hidden and cfg.name == "muon" else "adamw", hidden_mask
+    )
+    if cfg.name == "muon":
+        groups["muon"] = optax.contrib.muon(
             lr, beta=cfg.b1 if cfg.b1 > 0.9 else 0.95, weight_decay=cfg.weight_decay
         )
-        labels = jax.tree.map(lambda hidden: "muon" if hidden else "adamw", hidden_mask)
-        inner = optax.multi_transform({"muon": muon, "adamw": _adamw(cfg, adam_lr)}, labels)
+    if cfg.qk_gain_lr_ratio != 1.0:
+        if qk_gain_mask is None or not any(jax.tree.leaves(qk_gain_mask)):
+            raise ValueError(
+                f"--qk-gain-lr-ratio {cfg.qk_gain_lr_ratio}: the model has no query/key "
+                "RMSNorm gains to apply it to (QK-norm off, or no attention layer)"
+            )
+        gain_lr = schedule(cfg, total_steps, adam_peak * cfg.qk_gain_lr_ratio, extensions)
+        groups["qk_gain"] = _adamw(cfg, gain_lr)
+        labels = jax.tree.map(
+            lambda label, gain: "qk_gain" if gain else label, labels, qk_gain_mask
+        )
+    inner = groups["adamw"] if len(groups) == 1 else optax.multi_transform(groups, labels)
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), inner)
 
 

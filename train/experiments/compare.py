@@ -153,8 +153,10 @@ def make_run_config(
     steps: int,
     run_dir: str,
     log_every: Optional[int] = None,
+    extra: Sequence[str] = (),
 ) -> config_lib.RunConfig:
-    """The RunConfig of one arm: everything but `--attention` is shared by all arms."""
+    """The RunConfig of one arm: everything but `--attention` is shared by all arms.
+    `extra`: further `python -m train` flags (they win over the ones set here)."""
     model = f"{args.family}-{preset.model_preset}" if args.family else preset.model_preset
     every = min(preset.eval_every, steps)
     argv = [
@@ -189,7 +191,7 @@ def make_run_config(
     argv += ["--qk-norm", "off"] if args.no_qk_norm else []
     impl = args.attention_implementation
     argv += ["--attention-implementation", impl] if impl else []
-    return config_lib.parse_args(argv)
+    return config_lib.parse_args(argv + list(extra))
 
 
 def _train_summary(rows: Sequence[dict]) -> dict:
