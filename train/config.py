@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from dm_jax.arms import ARM_NAMES as ATTENTION_ARMS
 from dm_jax.backends import IMPLEMENTATIONS
+from dm_jax.models.config import REMAT_POLICIES
 
 DEFAULT_FAMILY = "gdn_gqa"
 OPTIMIZERS = ("adamw", "muon")
@@ -218,6 +219,9 @@ class RunConfig:
     # Fields that describe one invocation, not the run: --resume never takes them from the
     # saved config.json.
     PER_INVOCATION = ("run_dir", "resume", "stop_at", "distributed", "skip_memory_check")
+    # Model overrides that change how a step is compiled, not the parameters or the math:
+    # a run may be resumed with other values.
+    VOLATILE_OVERRIDES = ("scan_layers", "remat")
 
     def __post_init__(self):
         self.validate()
@@ -355,6 +359,8 @@ def _compat_tree(cfg: RunConfig) -> dict:
     d = _tree(cfg)
     for k in cfg.VOLATILE:
         d.pop(k, None)
+    for k in cfg.VOLATILE_OVERRIDES:
+        d["model"]["overrides"].pop(k, None)
     return d
 
 
@@ -438,6 +444,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("chunked", "naive"),
         help="linear-mixer form; default: chunked (parallel within chunks); naive is the "
         "step-by-step recurrence",
+    )
+    a(
+        "--scan-layers",
+        default=None,
+        choices=("on", "off"),
+        help="run the repeating layer group as one lax.scan, compiled once (default: on); "
+        "the same parameters and checkpoints either way",
+    )
+    a(
+        "--remat",
+        default=None,
+        choices=tuple(REMAT_POLICIES),
+        help="what the backward pass recomputes: none (default), full (each layer group), "
+        "dots (keeps matmul outputs only)",
     )
     a(
         "--steps",
@@ -550,6 +570,8 @@ FLAG_FIELDS = {
     "rope": ("model.overrides.rope",),
     "head_dim": ("model.overrides.head_dim",),
     "mixer_impl": ("model.overrides.mixer_impl",),
+    "scan_layers": ("model.overrides.scan_layers",),
+    "remat": ("model.overrides.remat",),
     "steps": ("steps",),
     "batch_size": ("batch_size",),
     "seq_len": ("seq_len",),
@@ -684,6 +706,8 @@ def _from_args(args) -> RunConfig:
         rope=onoff[args.rope],
         head_dim=args.head_dim,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
+        scan_layers=onoff[args.scan_layers],
+        remat=args.remat,
         vocab_size=data_lib.vocab_size(data),
     )
     opt = OptimizerConfig(
