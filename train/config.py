@@ -195,6 +195,7 @@ class RunConfig:
     model_parallel: int = 1
     distributed: bool = False
     skip_memory_check: bool = False
+    compile_cache: Optional[str] = None  # persistent compilation cache dir, "off", None: default
     # ((step, steps_before), ...): on --resume at `step` the run's --steps changed from
     # `steps_before`; the learning-rate schedule continues from its value there.
     extensions: tuple[tuple[int, int], ...] = ()
@@ -214,11 +215,19 @@ class RunConfig:
         "fresh_optimizer",
         "distributed",
         "skip_memory_check",
+        "compile_cache",
         "extensions",
     )
     # Fields that describe one invocation, not the run: --resume never takes them from the
     # saved config.json.
-    PER_INVOCATION = ("run_dir", "resume", "stop_at", "distributed", "skip_memory_check")
+    PER_INVOCATION = (
+        "run_dir",
+        "resume",
+        "stop_at",
+        "distributed",
+        "skip_memory_check",
+        "compile_cache",
+    )
     # Model overrides that change how a step is compiled, not the parameters or the math:
     # a run may be resumed with other values.
     VOLATILE_OVERRIDES = ("scan_layers", "remat")
@@ -244,6 +253,11 @@ class RunConfig:
             ("--ckpt-every", self.ckpt_every),
         ):
             _check(every >= 0, flag, f"must be >= 0 (0 turns it off), got {every}")
+        _check(
+            self.compile_cache is None or bool(self.compile_cache),
+            "--compile-cache",
+            "expected a directory or 'off', got an empty string",
+        )
         _check(self.keep_checkpoints >= 1, "--keep", f"must be >= 1, got {self.keep_checkpoints}")
         _check(
             self.model_parallel >= 1, "--model-parallel", f"must be >= 1, got {self.model_parallel}"
@@ -557,6 +571,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start even when the memory estimate says the run does not fit",
     )
+    a(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="jax's persistent compilation cache: a second start of the same configuration "
+        "loads the compiled step (default: $XDG_CACHE_HOME/dm_jax/jax or ~/.cache/dm_jax/jax; "
+        "'off' turns it off)",
+    )
     return p
 
 
@@ -603,6 +625,7 @@ FLAG_FIELDS = {
     "model_parallel": ("model_parallel",),
     "distributed": ("distributed",),
     "skip_memory_check": ("skip_memory_check",),
+    "compile_cache": ("compile_cache",),
 }
 
 
@@ -741,6 +764,7 @@ def _from_args(args) -> RunConfig:
         model_parallel=args.model_parallel,
         distributed=args.distributed,
         skip_memory_check=args.skip_memory_check,
+        compile_cache=args.compile_cache,
     )
     try:
         cfg.model_config  # resolve the preset now: a bad override fails before any compute
