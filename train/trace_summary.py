@@ -1,0 +1,183 @@
+"""Where a training step spends its time: a jax profiler trace summarised by named scope.
+
+The model labels its operations with `jax.named_scope` (layer kinds `gdn`, `mamba2`, `kda`,
+`attn`, `mla`; inside them `norm`, `mixer`, `attention_core`, `ffn`; around them `embed`,
+`head`, `loss`; the update `optimizer`; `scan` is the layer scan's own work: stacking the
+parameters, slicing them per iteration, writing residuals). XLA keeps these names in each instruction's
+`op_name` metadata, and the profiler records, per executed operation, its HLO module and
+instruction name (`hlo_module`, `hlo_op`). `op_names(hlo_text)` reads the compiled step's
+instruction -> op_name map; `summarize(events, names, wall)` adds up operation time per
+layer kind and per op class (backward operations carry `transpose(...)` in their op_name).
+
+Host time is the profiled wall time minus the summed operation time (dispatch, Python,
+gaps between operations); on a CPU, where operations of one step may overlap on several
+threads, it is a lower bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+LAYER_KINDS = ("gdn", "mamba2", "kda", "attn", "mla", "embed", "head", "loss", "optimizer")
+# Checked in order: the first scope found names the op class.
+OP_CLASSES = (
+    "optimizer",
+    "attention_core",
+    "mixer",
+    "ffn",
+    "norm",
+    "embed",
+    "head",
+    "loss",
+)
+# Operations of the layer scan itself: the per-step parameter stack, each iteration's
+# slice of it, and the residuals each iteration writes for the backward pass.
+_SCAN_WORDS = {"while", "stack"}
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'metadata=\{[^}]*op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def op_names(hlo_text: str) -> dict:
+    """{instruction name: op_name} of an HLO module text. An instruction without metadata
+    (XLA drops it on some fusions) takes the first op_name inside the computation it calls."""
+    names, calls, inside, computation = {}, {}, {}, None
+    for line in hlo_text.splitlines():
+        start = _COMPUTATION.match(line)
+        if start and "=" not in line.split("{")[0]:
+            computation = start.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        op_name, callee = _OP_NAME.search(line), _CALLS.search(line)
+        if op_name:
+            names[m.group(1)] = op_name.group(1)
+            inside.setdefault(computation, op_name.group(1))
+        elif callee:
+            calls[m.group(1)] = callee.group(1)
+    for instruction, callee in calls.items():
+        if callee in inside:
+            names[instruction] = inside[callee]
+    return names
+
+
+def classify(op_name: str) -> tuple[str, str, str]:
+    """(layer kind, op class, "forward" | "backward" | "update") of one op_name."""
+    words = set(re.findall(r"[A-Za-z0-9_]+", op_name))
+    kind = next((k for k in LAYER_KINDS if k in words), "other")
+    op_class = next((c for c in OP_CLASSES if c in words), "other")
+    if op_class == "other" and words & _SCAN_WORDS:  # slicing layers, stacking residuals
+        kind = op_class = "scan"
+    if op_class == "optimizer":
+        return "optimizer", op_class, "update"
+    return kind, op_class, "backward" if "transpose" in words else "forward"
+
+
+def read_trace(trace_dir: str) -> list[dict]:
+    """The complete ('X') events of the newest perfetto trace under `trace_dir`."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    paths += glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no trace (perfetto_trace.json.gz) under {trace_dir}")
+    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    threads = {
+        (e.get("pid"), e.get("tid")): e["args"].get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    out = []
+    for e in events:
+        if e.get("ph") == "X":
+            out.append(dict(e, thread=threads.get((e.get("pid"), e.get("tid")), "")))
+    return out
+
+
+def op_events(events: list[dict], module: str) -> list[dict]:
+    """Executed operations of HLO modules whose name contains `module`, one per execution:
+    on a GPU the 'XLA Ops' timeline (device time per HLO operation), elsewhere every event
+    that names its HLO op; control flow that encloses other operations is left out."""
+    ops = [
+        e
+        for e in events
+        if "hlo_op" in e.get("args", {}) and module in str(e["args"].get("hlo_module", ""))
+    ]
+    xla_ops = [e for e in ops if e["thread"] == "XLA Ops"]
+    return _leaves(xla_ops or ops)
+
+
+def _leaves(events: list[dict]) -> list[dict]:
+    """Events that enclose no other event of their thread: a `while` or `call` operation
+    spans the operations of its body, which are counted themselves."""
+    by_thread = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    leaves = []
+    for line in by_thread.values():
+        line.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        for e, nxt in zip(line, line[1:] + [None]):
+            end = float(e["ts"]) + float(e.get("dur", 0.0))
+            if nxt is None or float(nxt["ts"]) >= end:
+                leaves.append(e)
+    return leaves
+
+
+def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dict:
+    """Seconds per step by layer kind, op class and direction, with their shares of the step.
+
+    `events`: from `op_events`; `names`: from `op_names`; `wall_s`: profiled wall time of
+    `steps` steps. Returns {"step_s", "op_s", "host_s", "by_layer_kind", "by_op_class",
+    "by_direction", "unnamed_ops"} (seconds per step; each "by_*" maps to [seconds, share])."""
+    tables = {k: collections.Counter() for k in ("by_layer_kind", "by_op_class", "by_direction")}
+    unnamed = collections.Counter()
+    for e in events:
+        op = e["args"]["hlo_op"]
+        seconds = float(e.get("dur", 0.0)) * 1e-6 / steps
+        op_name = names.get(op)
+        if op_name is None:
+            unnamed[op] += seconds
+            kind, op_class, direction = "other", "other", "other"
+        else:
+            kind, op_class, direction = classify(op_name)
+        tables["by_layer_kind"][kind] += seconds
+        tables["by_op_class"][op_class] += seconds
+        tables["by_direction"][direction] += seconds
+    step_s = wall_s / steps
+    op_s = sum(tables["by_op_class"].values())
+    host_s = max(step_s - op_s, 0.0)
+    for counter in tables.values():
+        counter["host"] = host_s
+    total = max(op_s + host_s, 1e-30)
+    out = {
+        name: {k: [v, v / total] for k, v in counter.most_common()}
+        for name, counter in tables.items()
+    }
+    top_unnamed = {k: v for k, v in unnamed.most_common(10)}
+    return dict(step_s=step_s, op_s=op_s, host_s=host_s, unnamed_ops=top_unnamed, **out)
+
+
+def markdown(summary: dict, title: str) -> str:
+    """The summary as markdown tables: share of the step per layer kind and per op class."""
+    lines = [
+        f"## {title}",
+        "",
+        f"Step {summary['step_s'] * 1e3:.1f} ms, of which operations "
+        f"{summary['op_s'] * 1e3:.1f} ms and host/gaps {summary['host_s'] * 1e3:.1f} ms.",
+    ]
+    for key, label in (
+        ("by_layer_kind", "layer kind"),
+        ("by_op_class", "op class"),
+        ("by_direction", "direction"),
+    ):
+        lines += ["", f"| {label} | ms / step | share |", "| --- | ---: | ---: |"]
+        for name, (seconds, share) in summary[key].items():
+            lines.append(f"| {name} | {seconds * 1e3:.2f} | {share:.1%} |")
+    return "\n".join(lines) + "\n"
