@@ -50,7 +50,8 @@ def test_summary_of_a_profiled_function(tmp_path):
 
 def test_profile_step_writes_json_and_markdown(tmp_path, capsys):
     out = tmp_path / "prof"
-    argv = ["--preset", "gqa-tiny", "--batch-size", "2", "--seq-len", "64", "--out", str(out)]
+    argv = ["--preset", "gqa-tiny", "--batch-size", "2", "--seq-len", "64", "--scan-layers", "on"]
+    argv += ["--out", str(out)]
     assert profile_step.main(argv + ["--warmup", "1", "--profile-steps", "2"]) == 0
     payload = json.loads((out / "profile.json").read_text())
     kinds, classes = payload["by_layer_kind"], payload["by_op_class"]

@@ -463,8 +463,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--scan-layers",
         default=None,
         choices=("on", "off"),
-        help="run the repeating layer group as one lax.scan, compiled once (default: on); "
-        "the same parameters and checkpoints either way",
+        help="run the repeating layer group as one lax.scan, compiled once (default: on on "
+        "a GPU, off on a CPU); the same parameters and checkpoints either way",
     )
     a(
         "--remat",
@@ -729,7 +729,7 @@ def _from_args(args) -> RunConfig:
         rope=onoff[args.rope],
         head_dim=args.head_dim,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
-        scan_layers=onoff[args.scan_layers],
+        scan_layers=default_scan_layers() if args.scan_layers is None else onoff[args.scan_layers],
         remat=args.remat,
         vocab_size=data_lib.vocab_size(data),
     )
@@ -775,6 +775,14 @@ def _from_args(args) -> RunConfig:
 
 def default_mixer_impl() -> str:
     return "chunked"
+
+
+def default_scan_layers() -> bool:
+    """Scan the layer group on a GPU; on a CPU the unrolled step measured faster to compile
+    and to run (docs/training.md, "Compilation and step efficiency")."""
+    import jax
+
+    return jax.default_backend() == "gpu"
 
 
 def default_run_dir(preset: str, attention: str) -> str:
