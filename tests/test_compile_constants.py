@@ -26,10 +26,9 @@ _OPAQUE = {"pallas_call"}  # kernel bodies: XLA does not fold inside a custom ca
 def _sub_jaxprs(eqn):
     for value in eqn.params.values():
         for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, jcore.ClosedJaxpr):
-                yield item.jaxpr
-            elif isinstance(item, jcore.Jaxpr):
-                yield item
+            inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr's Jaxpr (one class in jax 0.11)
+            if hasattr(inner, "eqns") and hasattr(inner, "invars"):
+                yield inner
 
 
 def constant_reductions(jaxpr, const_in=None, where="") -> list[str]:

@@ -172,6 +172,15 @@ def markdown(summary: dict, title: str) -> str:
         f"Step {summary['step_s'] * 1e3:.1f} ms, of which operations "
         f"{summary['op_s'] * 1e3:.1f} ms and host/gaps {summary['host_s'] * 1e3:.1f} ms.",
     ]
+    core = summary["by_op_class"].get("attention_core")
+    if core:
+        share = core[1]
+        lines += [
+            "",
+            f"The attention core is {share:.1%} of the step: a core twice as fast saves "
+            f"{share / 2:.1%} of the step, and no core at all would make the step at most "
+            f"{1 / max(1 - share, 1e-9):.2f}x faster (the bound on any attention speed-up).",
+        ]
     for key, label in (
         ("by_layer_kind", "layer kind"),
         ("by_op_class", "op class"),
