@@ -44,6 +44,7 @@ def test_summary_of_a_profiled_function(tmp_path):
     assert shares["mixer"][0] > 0 and shares["ffn"][0] > 0
     assert sum(share for _, share in shares.values()) == pytest.approx(1.0)
     assert summary["by_direction"]["backward"][0] > 0
+    assert any("ffn" in name for name in summary["top_op_names"])
     md = trace_summary.markdown(summary, "toy")
     assert "| mixer |" in md and "| host |" in md
 

@@ -38,6 +38,7 @@ OP_CLASSES = (
 # Operations of the layer scan itself: the per-step parameter stack, each iteration's
 # slice of it, and the residuals each iteration writes for the backward pass.
 _SCAN_WORDS = {"while", "stack"}
+TOP = 15
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _OP_NAME = re.compile(r'metadata=\{[^}]*op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
@@ -135,9 +136,10 @@ def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dic
 
     `events`: from `op_events`; `names`: from `op_names`; `wall_s`: profiled wall time of
     `steps` steps. Returns {"step_s", "op_s", "host_s", "by_layer_kind", "by_op_class",
-    "by_direction", "unnamed_ops"} (seconds per step; each "by_*" maps to [seconds, share])."""
+    "by_direction", "top_op_names", "unnamed_ops"} (seconds per step; each "by_*" maps to
+    [seconds, share]; the last two hold the `TOP` costliest op_names and unnamed ops)."""
     tables = {k: collections.Counter() for k in ("by_layer_kind", "by_op_class", "by_direction")}
-    unnamed = collections.Counter()
+    unnamed, by_op_name = collections.Counter(), collections.Counter()
     for e in events:
         op = e["args"]["hlo_op"]
         seconds = float(e.get("dur", 0.0)) * 1e-6 / steps
@@ -147,6 +149,7 @@ def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dic
             kind, op_class, direction = "other", "other", "other"
         else:
             kind, op_class, direction = classify(op_name)
+            by_op_name[op_name] += seconds
         tables["by_layer_kind"][kind] += seconds
         tables["by_op_class"][op_class] += seconds
         tables["by_direction"][direction] += seconds
@@ -160,8 +163,14 @@ def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dic
         name: {k: [v, v / total] for k, v in counter.most_common()}
         for name, counter in tables.items()
     }
-    top_unnamed = {k: v for k, v in unnamed.most_common(10)}
-    return dict(step_s=step_s, op_s=op_s, host_s=host_s, unnamed_ops=top_unnamed, **out)
+    return dict(
+        step_s=step_s,
+        op_s=op_s,
+        host_s=host_s,
+        top_op_names=dict(by_op_name.most_common(TOP)),
+        unnamed_ops=dict(unnamed.most_common(TOP)),
+        **out,
+    )
 
 
 def markdown(summary: dict, title: str) -> str:
