@@ -6,6 +6,7 @@
 #   bash benchmarks/h200_compile_speed.sh fold ARM      # names what XLA constant-folds slowly
 #   bash benchmarks/h200_compile_speed.sh profile ARM   # 569m step profile (profile.json, .md)
 #   bash benchmarks/h200_compile_speed.sh unscanned ARM # 569m with --scan-layers off
+#   bash benchmarks/h200_compile_speed.sh remat ARM     # 569m scanned with --remat dots, full
 #   bash benchmarks/h200_compile_speed.sh long          # small at T=8192: cudnn_bf16, matched
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
 set -u
@@ -65,6 +66,11 @@ profile)
 unscanned)
   run "$ARM-unscanned" $SIZE $QUIET --attention "$ARM" --compile-cache off --scan-layers off
   ;;
+remat)
+  for policy in dots full; do
+    run "$ARM-remat-$policy" $SIZE $QUIET --attention "$ARM" --compile-cache off --remat $policy
+  done
+  ;;
 long)
   for arm in cudnn_bf16 matched; do
     run "small-8192-$arm" --preset small --seq-len 8192 --batch-size 8 $QUIET --attention "$arm" \
@@ -72,7 +78,7 @@ long)
   done
   ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned ARM | long" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat ARM | long" >&2
   exit 2
   ;;
 esac
