@@ -127,7 +127,7 @@ def _scan_blocks(blocks, period: int, x_BTD, segment_ids, remat_policy):
             x = nnx.merge(graphdef, state)(x, segment_ids=segment_ids)
         return x, None
 
-    if remat_policy is not None:
+    if remat_policy is not None:  # inside a scan XLA cannot merge the recomputation away
         group = jax.checkpoint(group, policy=remat_policy, prevent_cse=False)
     return jax.lax.scan(group, x_BTD, tuple(stacked))[0]
 
@@ -196,7 +196,7 @@ class HybridLM(nnx.Module):
                     capture=capture.get(i),
                 )
                 if policy is not None and not per_layer:
-                    call = jax.checkpoint(call, policy=policy, prevent_cse=False)
+                    call = jax.checkpoint(call, policy=policy)  # outside a scan: keep CSE off
                 x = call(x)
         with jax.named_scope("norm"):
             x = self.final_norm(x)
