@@ -9,6 +9,7 @@
 #   bash benchmarks/h200_compile_speed.sh remat ARM     # 569m scanned with --remat dots, full
 #   bash benchmarks/h200_compile_speed.sh long          # small at T=8192: cudnn_bf16, matched
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
+# Each run is stopped after RUN_TIMEOUT seconds (default 250: two runs fit one 9-minute call).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
@@ -23,7 +24,7 @@ run() {  # run NAME FLAGS...: one training run; prints its summary and any slow 
   local name=$1
   shift
   local start=$SECONDS
-  timeout 420 python3 -m train "$@" --run-dir "$R/$name" > "$OUT/$name.log" 2>&1
+  timeout "${RUN_TIMEOUT:-250}" python3 -m train "$@" --run-dir "$R/$name" > "$OUT/$name.log" 2>&1
   echo "$name: exit $?, wall $((SECONDS - start)) s (start to exit)"
   tail -1 "$OUT/$name.log"
   cp "$R/$name/summary.json" "$OUT/$name.summary.json" 2>/dev/null && python3 -c "

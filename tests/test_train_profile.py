@@ -67,3 +67,23 @@ def test_profile_step_writes_json_and_markdown(tmp_path, capsys):
     assert "tokens/s" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         profile_step.main(["--preset", "gqa-tiny"])  # --out is required
+
+
+def test_op_events_read_a_gpu_style_timeline_and_skip_enclosing_loops():
+    def event(name, ts, dur, thread, **args):
+        return dict(ph="X", name=name, ts=ts, dur=dur, pid=1, tid=thread, thread=thread, args=args)
+
+    events = [
+        event("while.3", 0.0, 10.0, "XLA Ops"),  # spans its body's operations
+        event("fusion.1", 1.0, 4.0, "XLA Ops"),
+        event("fusion.2", 5.0, 3.0, "XLA Ops"),
+        event("kernel_xyz", 1.0, 4.0, "Stream #7", hlo_op="fusion.1", hlo_module="jit_train_step"),
+        event("other.9", 20.0, 2.0, "XLA Ops", hlo_op="other.9", hlo_module="jit_eval_step"),
+    ]
+    ops = trace_summary.op_events(events, "train_step")
+    assert sorted(e["args"]["hlo_op"] for e in ops) == ["fusion.1", "fusion.2"]
+    names = {"fusion.1": "jit(train_step)/jvp(gdn)/mixer/dot", "fusion.2": "x/optimizer/add"}
+    summary = trace_summary.summarize(ops, names, wall_s=10e-6, steps=1)
+    assert summary["by_op_class"]["mixer"][0] == pytest.approx(4e-6)
+    assert summary["by_op_class"]["optimizer"][0] == pytest.approx(3e-6)
+    assert summary["host_s"] == pytest.approx(3e-6)

@@ -83,6 +83,8 @@ def profile(cfg, *, out: str, warmup: int = 2, steps: int = 3) -> dict:
         jax.block_until_ready((params, opt_state, stats))
         wall_s = time.perf_counter() - t0
     ops = trace_summary.op_events(trace_summary.read_trace(trace_dir), "train_step")
+    if not ops:
+        print(f"warning: no operation of the step found in {trace_dir}; the table is host only")
     summary = trace_summary.summarize(
         ops, trace_summary.op_names(compiled.as_text()), wall_s, steps
     )

@@ -103,14 +103,24 @@ def read_trace(trace_dir: str) -> list[dict]:
 
 
 def op_events(events: list[dict], module: str) -> list[dict]:
-    """Executed operations of HLO modules whose name contains `module`, one per execution:
-    on a GPU the 'XLA Ops' timeline (device time per HLO operation), elsewhere every event
+    """Executed operations of HLO modules whose name contains `module`, one per execution,
+    with `args["hlo_op"]` set: on a GPU the 'XLA Ops' timeline (device time per HLO
+    operation; the event name is the op when its args do not say), elsewhere every event
     that names its HLO op; control flow that encloses other operations is left out."""
-    ops = [
-        e
-        for e in events
-        if "hlo_op" in e.get("args", {}) and module in str(e["args"].get("hlo_module", ""))
-    ]
+
+    def op(e):
+        args = e.get("args", {})
+        if "hlo_op" in args:
+            return e
+        if e["thread"] == "XLA Ops":
+            return dict(e, args=dict(args, hlo_op=e.get("name", "")))
+        return None
+
+    ops = []
+    for e in events:
+        e = op(e)
+        if e is not None and module in str(e["args"].get("hlo_module", module)):
+            ops.append(e)
     xla_ops = [e for e in ops if e["thread"] == "XLA Ops"]
     return _leaves(xla_ops or ops)
 
