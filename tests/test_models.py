@@ -97,7 +97,7 @@ def test_precision_scopes_change_dot_dtypes():
     tok = jnp.zeros((1, 16), jnp.int32)
 
     def dots(**kw):
-        cfg = preset("gqa", pattern=("attn", "attn"), **kw)
+        cfg = preset("gqa", pattern=("attn", "attn"), scan_layers=False, **kw)  # both layers
         model = HybridLM(cfg, rngs=nnx.Rngs(0))
         jaxpr = jax.make_jaxpr(lambda t: model(t))(tok)
         return f8_dots(jaxpr), str(jaxpr).count("f8_e4m3fn")

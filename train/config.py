@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 from dm_jax.arms import ARM_NAMES as ATTENTION_ARMS
 from dm_jax.backends import IMPLEMENTATIONS
 from dm_jax.nn.fp8 import SCALINGS
+from dm_jax.models.config import REMAT_POLICIES
 
 DEFAULT_FAMILY = "gdn_gqa"
 OPTIMIZERS = ("adamw", "muon")
@@ -202,6 +203,7 @@ class RunConfig:
     model_parallel: int = 1
     distributed: bool = False
     skip_memory_check: bool = False
+    compile_cache: Optional[str] = None  # persistent compilation cache dir, "off", None: default
     # ((step, steps_before), ...): on --resume at `step` the run's --steps changed from
     # `steps_before`; the learning-rate schedule continues from its value there.
     extensions: tuple[tuple[int, int], ...] = ()
@@ -221,11 +223,22 @@ class RunConfig:
         "fresh_optimizer",
         "distributed",
         "skip_memory_check",
+        "compile_cache",
         "extensions",
     )
     # Fields that describe one invocation, not the run: --resume never takes them from the
     # saved config.json.
-    PER_INVOCATION = ("run_dir", "resume", "stop_at", "distributed", "skip_memory_check")
+    PER_INVOCATION = (
+        "run_dir",
+        "resume",
+        "stop_at",
+        "distributed",
+        "skip_memory_check",
+        "compile_cache",
+    )
+    # Model overrides that change how a step is compiled, not the parameters or the math:
+    # a run may be resumed with other values.
+    VOLATILE_OVERRIDES = ("scan_layers", "remat")
 
     def __post_init__(self):
         self.validate()
@@ -248,6 +261,11 @@ class RunConfig:
             ("--ckpt-every", self.ckpt_every),
         ):
             _check(every >= 0, flag, f"must be >= 0 (0 turns it off), got {every}")
+        _check(
+            self.compile_cache is None or bool(self.compile_cache),
+            "--compile-cache",
+            "expected a directory or 'off', got an empty string",
+        )
         _check(self.keep_checkpoints >= 1, "--keep", f"must be >= 1, got {self.keep_checkpoints}")
         _check(
             self.model_parallel >= 1, "--model-parallel", f"must be >= 1, got {self.model_parallel}"
@@ -363,6 +381,8 @@ def _compat_tree(cfg: RunConfig) -> dict:
     d = _tree(cfg)
     for k in cfg.VOLATILE:
         d.pop(k, None)
+    for k in cfg.VOLATILE_OVERRIDES:
+        d["model"]["overrides"].pop(k, None)
     return d
 
 
@@ -453,6 +473,20 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("chunked", "naive"),
         help="linear-mixer form; default: chunked (parallel within chunks); naive is the "
         "step-by-step recurrence",
+    )
+    a(
+        "--scan-layers",
+        default=None,
+        choices=("on", "off"),
+        help="run the repeating layer group as one lax.scan, compiled once (default: on on "
+        "a GPU, off on a CPU); the same parameters and checkpoints either way",
+    )
+    a(
+        "--remat",
+        default=None,
+        choices=tuple(REMAT_POLICIES),
+        help="what the backward pass recomputes: none (default), full (each layer group), "
+        "dots (keeps matmul outputs only)",
     )
     a(
         "--steps",
@@ -559,6 +593,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="start even when the memory estimate says the run does not fit",
     )
+    a(
+        "--compile-cache",
+        default=None,
+        metavar="DIR|off",
+        help="jax's persistent compilation cache: a second start of the same configuration "
+        "loads the compiled step (default: $XDG_CACHE_HOME/dm_jax/jax or ~/.cache/dm_jax/jax; "
+        "'off' turns it off)",
+    )
     return p
 
 
@@ -573,6 +615,8 @@ FLAG_FIELDS = {
     "head_dim": ("model.overrides.head_dim",),
     "fp8_scaling": ("model.overrides.fp8_scaling",),
     "mixer_impl": ("model.overrides.mixer_impl",),
+    "scan_layers": ("model.overrides.scan_layers",),
+    "remat": ("model.overrides.remat",),
     "steps": ("steps",),
     "batch_size": ("batch_size",),
     "seq_len": ("seq_len",),
@@ -605,6 +649,7 @@ FLAG_FIELDS = {
     "model_parallel": ("model_parallel",),
     "distributed": ("distributed",),
     "skip_memory_check": ("skip_memory_check",),
+    "compile_cache": ("compile_cache",),
 }
 
 
@@ -709,6 +754,8 @@ def _from_args(args) -> RunConfig:
         head_dim=args.head_dim,
         fp8_scaling=args.fp8_scaling,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
+        scan_layers=default_scan_layers() if args.scan_layers is None else onoff[args.scan_layers],
+        remat=args.remat,
         vocab_size=data_lib.vocab_size(data),
     )
     opt = OptimizerConfig(
@@ -743,6 +790,7 @@ def _from_args(args) -> RunConfig:
         model_parallel=args.model_parallel,
         distributed=args.distributed,
         skip_memory_check=args.skip_memory_check,
+        compile_cache=args.compile_cache,
     )
     try:
         cfg.model_config  # resolve the preset now: a bad override fails before any compute
@@ -753,6 +801,15 @@ def _from_args(args) -> RunConfig:
 
 def default_mixer_impl() -> str:
     return "chunked"
+
+
+def default_scan_layers() -> bool:
+    """Scan the layer group on a GPU. On a CPU, at the sizes a CPU trains (tiny, small), the
+    unrolled step measured faster to run and no slower to compile (docs/training.md,
+    "Compilation and step efficiency")."""
+    import jax
+
+    return jax.default_backend() == "gpu"
 
 
 def default_run_dir(preset: str, attention: str) -> str:

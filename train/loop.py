@@ -27,12 +27,14 @@ from flax import nnx
 
 from dm_jax.arms import ARMS
 from train import checkpoint as ckpt_lib
+from train import compile_cache
 from train import config as config_lib
 from train import data as data_lib
 from train import metrics as metrics_lib
 from train import model as model_lib
 from train import memory as memory_lib
 from train import optim, parallel, progress as progress_lib
+from train import throughput
 
 
 class NonFiniteLoss(RuntimeError):
@@ -47,14 +49,18 @@ class TrainResult:
     status: str  # "done", "stopped" (--stop-at), "interrupted" (SIGINT/SIGTERM)
     checkpoint_step: Optional[int]
     tokens_per_s: float = float("nan")  # mean over the run, first (compiling) interval excluded
+    compile_seconds: float = float("nan")  # the first train_step call: trace, lower, compile
+    compile_cache: str = ""  # where the step came from (compile_cache.CacheEvents.describe)
+    utilisation: dict = dataclasses.field(default_factory=dict)  # throughput.utilisation()
 
 
 def _masked_ce_sums(graphdef, rest, params, batch):
     """(sum of masked CE, number of counted targets) for this shard's batch."""
     model = nnx.merge(graphdef, params, rest)
     logits_BTV = model(batch["tokens"], segment_ids=batch["segments"]).astype(jnp.float32)
-    ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
-    return jnp.sum(ce_BT * batch["mask"]), jnp.sum(batch["mask"])
+    with jax.named_scope("loss"):
+        ce_BT = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch["targets"])
+        return jnp.sum(ce_BT * batch["mask"]), jnp.sum(batch["mask"])
 
 
 def _grad_sums(graphdef, rest, params, batch):
@@ -67,11 +73,12 @@ def _grad_sums(graphdef, rest, params, batch):
 
 def _apply_update(tx, params, opt_state, ce_sum, count, grads):
     """Mean gradients from global sums -> optax update; returns (params, opt_state, stats)."""
-    count = jnp.maximum(count, 1.0)
-    grads = jax.tree.map(lambda g: g / count, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(loss=ce_sum / count, grad_norm=optax.global_norm(grads))
+    with jax.named_scope("optimizer"):
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: g / count, grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, dict(loss=ce_sum / count, grad_norm=optax.global_norm(grads))
 
 
 def make_step_fns(graphdef, rest, tx, mesh):
@@ -345,6 +352,8 @@ def train(
     parallel.check_batch(cfg.batch_size, mesh)
     saved = _check_run_dir(cfg)
     console = progress_lib.Console(enabled=progress)
+    cache_dir = compile_cache.enable(cfg.compile_cache)
+    console.note(f"compilation cache: {cache_dir or 'off'}")
 
     splits = data_lib.load_splits(cfg.data)
     train_batches, val_batches = data_lib.make_batches(cfg, splits)
@@ -462,13 +471,19 @@ def _run(
 
     t_last, step_last = time.perf_counter(), step
     timed = [0, 0.0]  # tokens, seconds of logged intervals after the first
+    compiled = [float("nan"), ""]  # seconds of the first train_step call, cache outcome
     try:
         with _StopSignals(functools.partial(_resume_hint, cfg)) as signals:
             while step < last_stop:
                 batch_np = train_batches.batch(step, **shard)
-                params, opt_state, stats = train_step(
-                    params, opt_state, parallel.put_batch(batch_np, mesh)
-                )
+                batch = parallel.put_batch(batch_np, mesh)
+                if step == first_step:  # compiles (or loads) before dispatching: timed alone
+                    with compile_cache.CacheEvents() as events:
+                        t0 = time.perf_counter()
+                        params, opt_state, stats = train_step(params, opt_state, batch)
+                        compiled[:] = time.perf_counter() - t0, events.describe()
+                else:
+                    params, opt_state, stats = train_step(params, opt_state, batch)
                 if pending is not None:
                     check(*pending)
                 step += 1
@@ -524,9 +539,30 @@ def _run(
         log.close()
         console.stop()
     mean_tps = timed[0] / timed[1] if timed[1] else log.last.get("tokens_per_s", float("nan"))
-    result = TrainResult(cfg.run_dir, step, log.last, status, saved_step, mean_tps)
+    util = throughput.utilisation(throughput.non_embedding_params(model), mean_tps)
+    result = TrainResult(cfg.run_dir, step, log.last, status, saved_step, mean_tps, *compiled, util)
+    _write_summary(result, cfg)
     console.summary(result, cfg)
     return result
+
+
+def _write_summary(result: TrainResult, cfg) -> None:
+    """`<run_dir>/summary.json`: this invocation's speed (tokens/s after compilation, compile
+    seconds, model FLOP/s, MFU) and where it ended."""
+    payload = dict(
+        step=result.step,
+        status=result.status,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        tokens_per_s=result.tokens_per_s,
+        compile_seconds=result.compile_seconds,
+        compile_cache=result.compile_cache,
+        **result.utilisation,
+    )
+    clean = {
+        k: (v if not isinstance(v, float) or np.isfinite(v) else None) for k, v in payload.items()
+    }
+    config_lib.write_json_atomic(os.path.join(cfg.run_dir, "summary.json"), clean, indent=2)
 
 
 def _restore_read_only(path: str, templates: dict, step: Optional[int] = None) -> tuple[dict, dict]:

@@ -96,6 +96,16 @@ class Console:
             if isinstance(m.get(key), (int, float)):
                 table.add_row(label, fmt.format(m[key]))
         table.add_row("tokens/s", f"{result.tokens_per_s:,.0f} (mean, after compilation)")
+        table.add_row("compile", f"{result.compile_seconds:.1f} s, {result.compile_cache}")
+        util = result.utilisation
+        if util:
+            table.add_row("model FLOP/s", f"{util['model_flops_per_s'] / 1e12:.2f} TFLOP/s (6 N)")
+            table.add_row(
+                "MFU",
+                f"{util['mfu']:.1%} of {util['peak_flops_per_s'] / 1e12:.0f} TFLOP/s dense bf16"
+                if util["mfu"] is not None
+                else f"n/a (no dense bf16 peak listed for {util['device_kind']!r})",
+            )
         gains = [v for k, v in m.items() if k.endswith("/max_gain")]
         if gains:
             table.add_row("max QK gain", f"{max(gains):.3f}")

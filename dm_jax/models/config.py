@@ -15,11 +15,19 @@ Mixer projections (GDN, KDA, Mamba-2) stay in bf16. `fp8_scaling` sets the scale
 granularity of every FP8 linear layer (`dm_jax.nn.fp8.SCALINGS`): "per_token" (default)
 keeps the model causal and the sequences of a batch independent; "per_tensor" is the older
 rule, kept for comparison.
+
+Compilation: with `scan_layers` (the default) the repeats of the layer group (the shortest
+period of `pattern`, e.g. 6 x (gdn, gdn, gdn, attn)) run as one `lax.scan`, so XLA compiles
+the group once; the parameters, and so checkpoints, are the same either way. `remat` picks
+what the backward pass recomputes instead of keeping (`REMAT_POLICIES`): "none" keeps every
+residual, "full" recomputes each layer group, "dots" keeps only matmul outputs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax
 
 from dm_jax.arms import ARMS, FP8_ARMS, check_arm
 from dm_jax.backends import IMPLEMENTATIONS
@@ -28,6 +36,11 @@ from dm_jax.nn.fp8 import check_scaling
 MIXER_KINDS = ("gdn", "mamba2", "kda")
 ATTENTION_KINDS = ("attn", "mla")
 LAYER_KINDS = MIXER_KINDS + ATTENTION_KINDS
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +84,9 @@ class HybridConfig:
     attn_proj: str | None = None
     attn_core: str | None = None
     fp8_scaling: str = "per_token"  # FP8 linear layers (ffn, attn_proj)
+    # compilation and memory: scan over the repeating layer group; rematerialisation policy
+    scan_layers: bool = True
+    remat: str = "none"
 
     def __post_init__(self):
         object.__setattr__(self, "pattern", tuple(self.pattern))
@@ -92,6 +108,8 @@ class HybridConfig:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}"
             )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat: must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
         if self.mixer_impl not in ("chunked", "naive"):
             raise ValueError(f"mixer_impl: must be 'chunked' or 'naive', got {self.mixer_impl!r}")
         if "mamba2" in self.pattern and (self.mamba_expand * self.d_model) % self.mamba_head_dim:
@@ -112,6 +130,17 @@ class HybridConfig:
     def attention_layer_indices(self) -> tuple:
         """Indices (into `pattern`) of the softmax-attention layers."""
         return tuple(i for i, k in enumerate(self.pattern) if k in ATTENTION_KINDS)
+
+    @property
+    def layer_period(self) -> int:
+        """Length of the shortest group whose repeats make up `pattern`."""
+        n = len(self.pattern)
+        return next(p for p in range(1, n + 1) if self.pattern == self.pattern[:p] * (n // p))
+
+    @property
+    def layer_repeats(self) -> int:
+        """How many times the group of `layer_period` layers repeats."""
+        return len(self.pattern) // self.layer_period
 
     @property
     def attn_proj_fp8(self) -> bool:

@@ -5,12 +5,14 @@ attention, plus the helpers the training and experiment code use to look inside 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from dm_jax.models.config import HybridConfig
+from dm_jax.models.config import REMAT_POLICIES, HybridConfig
 from dm_jax.nn.attention import GQAttention, MLAttention
 from dm_jax.nn.fp8 import Linear, RMSNorm
 from dm_jax.nn.gated_deltanet import GatedDeltaNet
@@ -75,7 +77,10 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x += mixer(norm(x)); x += SwiGLU(norm(x))."""
+    """Pre-norm residual block: x += mixer(norm(x)); x += SwiGLU(norm(x)).
+
+    Named scopes (`<kind>/norm`, `<kind>/mixer`, `<kind>/ffn`) label its operations in
+    compiled programs and profiles (`train.profile_step`)."""
 
     def __init__(self, kind: str, cfg: HybridConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(cfg.compute_dtype)
@@ -93,14 +98,46 @@ class Block(nnx.Module):
         )
 
     def __call__(self, x_BTD, *, segment_ids=None, ablate=False, probe=None, capture=None):
-        if not ablate:
-            h = self.mixer_norm(x_BTD)
-            if self.kind in ("attn", "mla"):
-                h = self.mixer(h, segment_ids=segment_ids, probe=probe, capture=capture)
-            else:
-                h = self.mixer(h, segment_ids=segment_ids)
-            x_BTD = x_BTD + h.astype(x_BTD.dtype)
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)).astype(x_BTD.dtype)
+        with jax.named_scope(self.kind):
+            if not ablate:
+                with jax.named_scope("norm"):
+                    h = self.mixer_norm(x_BTD)
+                with jax.named_scope("mixer"):
+                    if self.kind in ("attn", "mla"):
+                        h = self.mixer(h, segment_ids=segment_ids, probe=probe, capture=capture)
+                    else:
+                        h = self.mixer(h, segment_ids=segment_ids)
+                x_BTD = x_BTD + h.astype(x_BTD.dtype)
+            with jax.named_scope("norm"):
+                h = self.mlp_norm(x_BTD)
+            with jax.named_scope("ffn"):
+                return x_BTD + self.mlp(h).astype(x_BTD.dtype)
+
+
+def _scan_blocks(blocks, period: int, x_BTD, segment_ids, remat_policy):
+    """`x = block(x)` for every block in order, as one `lax.scan` over the repeats of the
+    layer group `blocks[:period]`: XLA compiles the group once instead of every layer.
+
+    The layers keep their own parameters (the model's tree, its checkpoints and its
+    optimizer routing are those of the unscanned model); each step stacks them along a new
+    leading axis, [len(blocks) // period, ...] per group position, and the gradients are
+    sliced back out. `remat_policy`: None (keep what the backward needs) or a
+    `jax.checkpoint` policy for the group.
+    """
+    defs, stacked = [], []
+    for j in range(period):
+        splits = [nnx.split(block) for block in blocks[j::period]]
+        defs.append(splits[0][0])
+        stacked.append(jax.tree.map(lambda *xs: jnp.stack(xs), *[s for _, s in splits]))
+
+    def group(x, states):
+        for graphdef, state in zip(defs, states):
+            x = nnx.merge(graphdef, state)(x, segment_ids=segment_ids)
+        return x, None
+
+    if remat_policy is not None:  # inside a scan XLA cannot merge the recomputation away
+        group = jax.checkpoint(group, policy=remat_policy, prevent_cse=False)
+    return jax.lax.scan(group, x_BTD, tuple(stacked))[0]
 
 
 class HybridLM(nnx.Module):
@@ -151,22 +188,33 @@ class HybridLM(nnx.Module):
                 f"{self.config.attention_layer_indices}"
             )
         core_probes, capture = core_probes or {}, capture or {}
-        x = self.embed(tokens_BT).astype(self.dtype)  # gathered in FP32, then cast
-        for i, layer in enumerate(self.layers):
-            x = layer(
-                x,
-                segment_ids=segment_ids,
-                ablate=i in ablate_attention_layers,
-                probe=core_probes.get(i),
-                capture=capture.get(i),
-            )
-        x = self.final_norm(x)
-        if self.head is None:
-            emb = self.embed.embedding.get_value().astype(self.dtype)
-            logits = jnp.einsum("btd,vd->btv", x, emb, preferred_element_type=jnp.float32)
-        else:
-            logits = self.head(x)
-        return logits.astype(jnp.float32)
+        with jax.named_scope("embed"):
+            x = self.embed(tokens_BT).astype(self.dtype)  # gathered in FP32, then cast
+        cfg, policy = self.config, REMAT_POLICIES[self.config.remat]
+        per_layer = bool(ablate_attention_layers or core_probes or capture)
+        if cfg.scan_layers and cfg.layer_repeats > 1 and not per_layer:
+            x = _scan_blocks(self.layers, cfg.layer_period, x, segment_ids, policy)
+        else:  # one call per layer (and the per-layer probes, captures and ablations)
+            for i, layer in enumerate(self.layers):
+                call = functools.partial(
+                    layer,
+                    segment_ids=segment_ids,
+                    ablate=i in ablate_attention_layers,
+                    probe=core_probes.get(i),
+                    capture=capture.get(i),
+                )
+                if policy is not None and not per_layer:
+                    call = jax.checkpoint(call, policy=policy)  # outside a scan: keep CSE off
+                x = call(x)
+        with jax.named_scope("norm"):
+            x = self.final_norm(x)
+        with jax.named_scope("head"):
+            if self.head is None:
+                emb = self.embed.embedding.get_value().astype(self.dtype)
+                logits = jnp.einsum("btd,vd->btv", x, emb, preferred_element_type=jnp.float32)
+            else:
+                logits = self.head(x)
+            return logits.astype(jnp.float32)
 
 
 def qk_gains(model: HybridLM) -> dict:

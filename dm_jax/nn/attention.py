@@ -71,7 +71,8 @@ class _AttentionBase(nnx.Module):
             q, k = rot(q), rot(k)
         if capture is not None:
             capture.update(q=q, k=k, v=v)
-        o = self.core(q, k, v, segment_ids=segment_ids)
+        with jax.named_scope("attention_core"):  # labels the core in profiles
+            o = self.core(q, k, v, segment_ids=segment_ids)
         if probe is not None:
             o = o + probe.astype(o.dtype)
         return self.o_proj(o.reshape(B, T, -1))

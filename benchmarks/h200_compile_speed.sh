@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Compile time, second-start time, throughput/MFU and the step profile behind
+# docs/training.md's "Step efficiency" (one H200; each mode is one call of under 9 minutes).
+#   bash benchmarks/h200_compile_speed.sh compile ARM   # 569m: first start with a fresh
+#                                                       # compilation cache, then a second start
+#   bash benchmarks/h200_compile_speed.sh fold ARM      # names what XLA constant-folds slowly
+#   bash benchmarks/h200_compile_speed.sh profile ARM   # 569m step profile (profile.json, .md)
+#   bash benchmarks/h200_compile_speed.sh unscanned ARM # 569m with --scan-layers off
+#   bash benchmarks/h200_compile_speed.sh remat ARM     # 569m scanned with --remat dots, full
+#   bash benchmarks/h200_compile_speed.sh long          # small at T=8192: cudnn_bf16, matched
+# ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
+# Each run is stopped after RUN_TIMEOUT seconds (default 250: two runs fit one 9-minute call).
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-/tmp/out}
+R=/tmp/runs
+mkdir -p "$OUT" "$R"
+python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
+SIZE=${SIZE:-"--preset 569m --seq-len 4096 --batch-size 8"}
+QUIET="--steps 24 --log-every 4 --eval-every 0 --probe-every 0 --ckpt-every 0"
+ARM=${2:-matched}
+
+run() {  # run NAME FLAGS...: one training run; prints its summary and any slow folding
+  local name=$1
+  shift
+  local start=$SECONDS
+  timeout "${RUN_TIMEOUT:-250}" python3 -m train "$@" --run-dir "$R/$name" > "$OUT/$name.log" 2>&1
+  echo "$name: exit $?, wall $((SECONDS - start)) s (start to exit)"
+  tail -1 "$OUT/$name.log"
+  cp "$R/$name/summary.json" "$OUT/$name.summary.json" 2>/dev/null && python3 -c "
+import json, sys
+s = json.load(open(sys.argv[1]))
+mfu = 'n/a' if s['mfu'] is None else f\"{s['mfu']:.1%}\"
+print(f\"  {s['tokens_per_s']:,.0f} tok/s, MFU {mfu}, compile {s['compile_seconds']:.1f} s ({s['compile_cache']})\")
+" "$OUT/$name.summary.json"
+  grep -h -A2 "Constant folding an instruction" "$OUT/$name.log" | head -30
+}
+
+case "${1:-}" in
+compile)
+  CACHE=$R/jax-cache-$ARM
+  rm -rf "$CACHE" "$R/$ARM-first" "$R/$ARM-second"
+  run "$ARM-first" $SIZE $QUIET --attention "$ARM" --compile-cache "$CACHE"
+  run "$ARM-second" $SIZE $QUIET --attention "$ARM" --compile-cache "$CACHE"
+  ;;
+fold)
+  # Where `compile` logged slow constant folding: one step with the step's HLO dumped before
+  # optimization, then the full line (op_name = source) of each instruction an alarm named.
+  rm -rf "$R/xla-$ARM" "$R/$ARM-fold"
+  XLA_FLAGS="--xla_dump_to=$R/xla-$ARM --xla_dump_hlo_module_re=.*train_step.*" \
+    run "$ARM-fold" $SIZE --steps 1 --eval-every 0 --probe-every 0 --ckpt-every 0 \
+    --attention "$ARM" --compile-cache off
+  grep -h -A2 "Constant folding an instruction" "$OUT/$ARM-fold.log" \
+    | grep -o "^  %\?[A-Za-z0-9_.-]*" | tr -d " %" | sort -u | while read -r name; do
+      grep -h "^ *%\?$name = " "$R"/xla-"$ARM"/*before_optimizations.txt | cut -c1-800
+    done | tee "$OUT/$ARM-folded-instructions.txt"
+  ;;
+profile)
+  rm -rf "$R/profile-$ARM"
+  timeout 420 python3 -m train.profile_step $SIZE --attention "$ARM" --compile-cache off \
+    --out "$R/profile-$ARM" > "$OUT/profile-$ARM.log" 2>&1
+  echo "profile exit $?"
+  cp "$R/profile-$ARM/profile.json" "$OUT/profile-$ARM.json" 2>/dev/null
+  cp "$R/profile-$ARM/profile.md" "$OUT/profile-$ARM.md" 2>/dev/null
+  cat "$OUT/profile-$ARM.md" 2>/dev/null || tail -30 "$OUT/profile-$ARM.log"
+  ;;
+unscanned)
+  run "$ARM-unscanned" $SIZE $QUIET --attention "$ARM" --compile-cache off --scan-layers off
+  ;;
+remat)
+  for policy in dots full; do
+    run "$ARM-remat-$policy" $SIZE $QUIET --attention "$ARM" --compile-cache off --remat $policy
+  done
+  ;;
+long)
+  for arm in cudnn_bf16 matched; do
+    run "small-8192-$arm" --preset small --seq-len 8192 --batch-size 8 $QUIET --attention "$arm" \
+      --compile-cache off
+  done
+  ;;
+*)
+  echo "usage: $0 compile|fold|profile|unscanned|remat ARM | long" >&2
+  exit 2
+  ;;
+esac

@@ -1,0 +1,89 @@
+"""`python -m train.profile_step`: a profiled step summarised by layer kind and op class."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from train import profile_step, trace_summary
+
+
+def test_classify_reads_named_scopes():
+    c = trace_summary.classify
+    assert c("jit(train_step)/while/body/gdn/mixer/dot_general") == ("gdn", "mixer", "forward")
+    assert c("jit(train_step)/transpose(jvp(attn))/mixer/attention_core/custom_vjp_call") == (
+        "attn",
+        "attention_core",
+        "backward",
+    )
+    assert c("jit(train_step)/jvp(mla)/ffn/dot_general")[:2] == ("mla", "ffn")
+    assert c("jit(train_step)/optimizer/mul") == ("optimizer", "optimizer", "update")
+    assert c("jit(train_step)/add") == ("other", "other", "forward")
+    assert c("jit(train_step)/jvp()/while/body/closed_call")[:2] == ("scan", "scan")
+
+
+def test_summary_of_a_profiled_function(tmp_path):
+    def f(x, w):
+        with jax.named_scope("gdn"), jax.named_scope("mixer"):
+            y = jnp.tanh(x @ w)
+        with jax.named_scope("ffn"):
+            return (y @ w).sum()
+
+    step = jax.jit(jax.grad(f))
+    x = jnp.ones((256, 256))
+    compiled = step.lower(x, x).compile()
+    compiled(x, x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path), create_perfetto_trace=True):
+        for _ in range(2):
+            compiled(x, x).block_until_ready()
+    ops = trace_summary.op_events(trace_summary.read_trace(str(tmp_path)), "jit_f")
+    assert ops, "the trace holds no operation of the function"
+    summary = trace_summary.summarize(ops, trace_summary.op_names(compiled.as_text()), 1.0, 2)
+    shares = summary["by_op_class"]
+    assert shares["mixer"][0] > 0 and shares["ffn"][0] > 0
+    assert sum(share for _, share in shares.values()) == pytest.approx(1.0)
+    assert summary["by_direction"]["backward"][0] > 0
+    assert any("ffn" in name for name in summary["top_op_names"])
+    md = trace_summary.markdown(summary, "toy")
+    assert "| mixer |" in md and "| host |" in md
+
+
+def test_profile_step_writes_json_and_markdown(tmp_path, capsys):
+    out = tmp_path / "prof"
+    argv = ["--preset", "gqa-tiny", "--batch-size", "2", "--seq-len", "64", "--scan-layers", "on"]
+    argv += ["--out", str(out)]
+    assert profile_step.main(argv + ["--warmup", "1", "--profile-steps", "2"]) == 0
+    payload = json.loads((out / "profile.json").read_text())
+    kinds, classes = payload["by_layer_kind"], payload["by_op_class"]
+    assert kinds["attn"][0] > 0 and kinds["optimizer"][0] > 0
+    assert classes["attention_core"][0] > 0 and classes["ffn"][0] > 0 and classes["norm"][0] > 0
+    assert sum(share for _, share in classes.values()) == pytest.approx(1.0)
+    assert classes.get("other", [0, 0])[1] < 0.3  # nearly every operation has its scope
+    assert payload["scan_layers"] and payload["tokens_per_s"] > 0 and payload["mfu"] is None
+    assert payload["compile_seconds"] > 0
+    md = (out / "profile.md").read_text()
+    assert "| attention_core |" in md and "the bound on any attention speed-up" in md
+    assert "tokens/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        profile_step.main(["--preset", "gqa-tiny"])  # --out is required
+
+
+def test_op_events_read_a_gpu_style_timeline_and_skip_enclosing_loops():
+    def event(name, ts, dur, thread, **args):
+        return dict(ph="X", name=name, ts=ts, dur=dur, pid=1, tid=thread, thread=thread, args=args)
+
+    events = [
+        event("while.3", 0.0, 10.0, "XLA Ops"),  # spans its body's operations
+        event("fusion.1", 1.0, 4.0, "XLA Ops"),
+        event("fusion.2", 5.0, 3.0, "XLA Ops"),
+        event("kernel_xyz", 1.0, 4.0, "Stream #7", hlo_op="fusion.1", hlo_module="jit_train_step"),
+        event("other.9", 20.0, 2.0, "XLA Ops", hlo_op="other.9", hlo_module="jit_eval_step"),
+    ]
+    ops = trace_summary.op_events(events, "train_step")
+    assert sorted(e["args"]["hlo_op"] for e in ops) == ["fusion.1", "fusion.2"]
+    names = {"fusion.1": "jit(train_step)/jvp(gdn)/mixer/dot", "fusion.2": "x/optimizer/add"}
+    summary = trace_summary.summarize(ops, names, wall_s=10e-6, steps=1)
+    assert summary["by_op_class"]["mixer"][0] == pytest.approx(4e-6)
+    assert summary["by_op_class"]["optimizer"][0] == pytest.approx(3e-6)
+    assert summary["host_s"] == pytest.approx(3e-6)

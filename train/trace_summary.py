@@ -1,0 +1,211 @@
+"""Where a training step spends its time: a jax profiler trace summarised by named scope.
+
+The model labels its operations with `jax.named_scope` (layer kinds `gdn`, `mamba2`, `kda`,
+`attn`, `mla`; inside them `norm`, `mixer`, `attention_core`, `ffn`; around them `embed`,
+`head`, `loss`; the update `optimizer`; `scan` is the layer scan's own work: stacking the
+parameters, slicing them per iteration, writing residuals). XLA keeps these names in each instruction's
+`op_name` metadata, and the profiler records, per executed operation, its HLO module and
+instruction name (`hlo_module`, `hlo_op`). `op_names(hlo_text)` reads the compiled step's
+instruction -> op_name map; `summarize(events, names, wall)` adds up operation time per
+layer kind and per op class (backward operations carry `transpose(...)` in their op_name).
+
+Host time is the profiled wall time minus the summed operation time (dispatch, Python,
+gaps between operations); on a CPU, where operations of one step may overlap on several
+threads, it is a lower bound.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+LAYER_KINDS = ("gdn", "mamba2", "kda", "attn", "mla", "embed", "head", "loss", "optimizer")
+# Checked in order: the first scope found names the op class.
+OP_CLASSES = (
+    "optimizer",
+    "attention_core",
+    "mixer",
+    "ffn",
+    "norm",
+    "embed",
+    "head",
+    "loss",
+)
+# Operations of the layer scan itself: the per-step parameter stack, each iteration's
+# slice of it, and the residuals each iteration writes for the backward pass.
+_SCAN_WORDS = {"while", "stack"}
+TOP = 15
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_OP_NAME = re.compile(r'metadata=\{[^}]*op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def op_names(hlo_text: str) -> dict:
+    """{instruction name: op_name} of an HLO module text. An instruction without metadata
+    (XLA drops it on some fusions) takes the first op_name inside the computation it calls."""
+    names, calls, inside, computation = {}, {}, {}, None
+    for line in hlo_text.splitlines():
+        start = _COMPUTATION.match(line)
+        if start and "=" not in line.split("{")[0]:
+            computation = start.group(1)
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        op_name, callee = _OP_NAME.search(line), _CALLS.search(line)
+        if op_name:
+            names[m.group(1)] = op_name.group(1)
+            inside.setdefault(computation, op_name.group(1))
+        elif callee:
+            calls[m.group(1)] = callee.group(1)
+    for instruction, callee in calls.items():
+        if callee in inside:
+            names[instruction] = inside[callee]
+    return names
+
+
+def classify(op_name: str) -> tuple[str, str, str]:
+    """(layer kind, op class, "forward" | "backward" | "update") of one op_name."""
+    words = set(re.findall(r"[A-Za-z0-9_]+", op_name))
+    kind = next((k for k in LAYER_KINDS if k in words), "other")
+    op_class = next((c for c in OP_CLASSES if c in words), "other")
+    if op_class == "other" and words & _SCAN_WORDS:  # slicing layers, stacking residuals
+        kind = op_class = "scan"
+    if op_class == "optimizer":
+        return "optimizer", op_class, "update"
+    return kind, op_class, "backward" if "transpose" in words else "forward"
+
+
+def read_trace(trace_dir: str) -> list[dict]:
+    """The complete ('X') events of the newest perfetto trace under `trace_dir`."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    paths += glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no trace (perfetto_trace.json.gz) under {trace_dir}")
+    with gzip.open(max(paths, key=os.path.getmtime)) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    threads = {
+        (e.get("pid"), e.get("tid")): e["args"].get("name", "")
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    out = []
+    for e in events:
+        if e.get("ph") == "X":
+            out.append(dict(e, thread=threads.get((e.get("pid"), e.get("tid")), "")))
+    return out
+
+
+def op_events(events: list[dict], module: str) -> list[dict]:
+    """Executed operations of HLO modules whose name contains `module`, one per execution,
+    with `args["hlo_op"]` set: on a GPU the 'XLA Ops' timeline (device time per HLO
+    operation; the event name is the op when its args do not say), elsewhere every event
+    that names its HLO op; control flow that encloses other operations is left out."""
+
+    def op(e):
+        args = e.get("args", {})
+        if "hlo_op" in args:
+            return e
+        if e["thread"] == "XLA Ops":
+            return dict(e, args=dict(args, hlo_op=e.get("name", "")))
+        return None
+
+    ops = []
+    for e in events:
+        e = op(e)
+        if e is not None and module in str(e["args"].get("hlo_module", module)):
+            ops.append(e)
+    xla_ops = [e for e in ops if e["thread"] == "XLA Ops"]
+    return _leaves(xla_ops or ops)
+
+
+def _leaves(events: list[dict]) -> list[dict]:
+    """Events that enclose no other event of their thread: a `while` or `call` operation
+    spans the operations of its body, which are counted themselves."""
+    by_thread = {}
+    for e in events:
+        by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    leaves = []
+    for line in by_thread.values():
+        line.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        for e, nxt in zip(line, line[1:] + [None]):
+            end = float(e["ts"]) + float(e.get("dur", 0.0))
+            if nxt is None or float(nxt["ts"]) >= end:
+                leaves.append(e)
+    return leaves
+
+
+def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dict:
+    """Seconds per step by layer kind, op class and direction, with their shares of the step.
+
+    `events`: from `op_events`; `names`: from `op_names`; `wall_s`: profiled wall time of
+    `steps` steps. Returns {"step_s", "op_s", "host_s", "by_layer_kind", "by_op_class",
+    "by_direction", "top_op_names", "unnamed_ops"} (seconds per step; each "by_*" maps to
+    [seconds, share]; the last two hold the `TOP` costliest op_names and unnamed ops)."""
+    tables = {k: collections.Counter() for k in ("by_layer_kind", "by_op_class", "by_direction")}
+    unnamed, by_op_name = collections.Counter(), collections.Counter()
+    for e in events:
+        op = e["args"]["hlo_op"]
+        seconds = float(e.get("dur", 0.0)) * 1e-6 / steps
+        op_name = names.get(op)
+        if op_name is None:
+            unnamed[op] += seconds
+            kind, op_class, direction = "other", "other", "other"
+        else:
+            kind, op_class, direction = classify(op_name)
+            by_op_name[op_name] += seconds
+        tables["by_layer_kind"][kind] += seconds
+        tables["by_op_class"][op_class] += seconds
+        tables["by_direction"][direction] += seconds
+    step_s = wall_s / steps
+    op_s = sum(tables["by_op_class"].values())
+    host_s = max(step_s - op_s, 0.0)
+    for counter in tables.values():
+        counter["host"] = host_s
+    total = max(op_s + host_s, 1e-30)
+    out = {
+        name: {k: [v, v / total] for k, v in counter.most_common()}
+        for name, counter in tables.items()
+    }
+    return dict(
+        step_s=step_s,
+        op_s=op_s,
+        host_s=host_s,
+        top_op_names=dict(by_op_name.most_common(TOP)),
+        unnamed_ops=dict(unnamed.most_common(TOP)),
+        **out,
+    )
+
+
+def markdown(summary: dict, title: str) -> str:
+    """The summary as markdown tables: share of the step per layer kind and per op class."""
+    lines = [
+        f"## {title}",
+        "",
+        f"Step {summary['step_s'] * 1e3:.1f} ms, of which operations "
+        f"{summary['op_s'] * 1e3:.1f} ms and host/gaps {summary['host_s'] * 1e3:.1f} ms.",
+    ]
+    core = summary["by_op_class"].get("attention_core")
+    if core:
+        share = core[1]
+        lines += [
+            "",
+            f"The attention core is {share:.1%} of the step: a core twice as fast saves "
+            f"{share / 2:.1%} of the step, and no core at all would make the step at most "
+            f"{1 / max(1 - share, 1e-9):.2f}x faster (the bound on any attention speed-up).",
+        ]
+    for key, label in (
+        ("by_layer_kind", "layer kind"),
+        ("by_op_class", "op class"),
+        ("by_direction", "direction"),
+    ):
+        lines += ["", f"| {label} | ms / step | share |", "| --- | ---: | ---: |"]
+        for name, (seconds, share) in summary[key].items():
+            lines.append(f"| {name} | {seconds * 1e3:.2f} | {share:.1%} |")
+    return "\n".join(lines) + "\n"
