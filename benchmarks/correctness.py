@@ -217,6 +217,9 @@ def main(argv=None):
             plan.append(
                 (gpu_cases(8192, causal, "matched", head_dims=((128, 128),))[0], DELTA_MODES, None)
             )
+        # the longest rows: Delta-Matching's row sums at T = 16384
+        long_rows = gpu_cases(16384, True, "matched", head_dims=((128, 128),))[0]
+        plan.append((long_rows, ("matched", "stale"), None))
         other = gpu_cases(4096, True, "matched", head_dims=((128, 128),))[0]
         for mode in FP8_ACCUMULATION_MODES:  # the default's row above repeats one
             plan.append(

@@ -2,11 +2,12 @@
 
 Both kinds of pass recompute, per (64 queries x 64 keys) tile, in log2 units
 (c = sm_scale log2(e), lse2 = lse log2(e), inv the decode factors, constant per tile):
-    S2  = (Q8 K8^T) * (c inv_q inv_k)        -inf where masked
+    S2  = (Q8 K8^T) * (c inv_q inv_k) + poison_q + poison_k,   -inf where masked
     P   = 2^(S2 - lse2)
     dP^ = (dO8 V8^T) * (inv_do inv_v)
     dS  = P (dP^ - delta),  s = 2^floor(log2(448 / amax|dS|)),  dS^ = e4m3(dS s)
-The 64 x 64 tile is the contract's dS scale tile (``NumericsTiles.ds_tile``), so dS is
+(poison: NaN for a query row or key whose operands were not finite, else 0, so NaN reaches
+exactly the visible pairs.) The 64 x 64 tile is the contract's dS scale tile (``NumericsTiles.ds_tile``), so dS is
 scaled exactly as the emulation scales it. Every scale factor is a power of two apart from
 c, so the order of the multiplications does not change a bit.
 
@@ -56,6 +57,7 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 MAX_HEAD_DIM = 128  # dK and dV accumulators of a 64-key warpgroup fill its registers
 REDUCTION_SCRATCH = 128  # f32 per warpgroup for the cross-warp max of a dS tile
+ROWS = 5  # per-query rows of q_rows: lse2, delta, inv_q, inv_do, poison
 
 
 def _scale(amax, shape):
@@ -189,7 +191,7 @@ def query_pass(
     q_rows,
     k8,
     v8,
-    kv_inv,
+    kv_aux,
     kt8=None,
     q_seg=None,
     kv_seg=None,
@@ -206,9 +208,10 @@ def query_pass(
 
     Args:
       q8 [B, Hq, Tp, Dqk], do8 [B, Hq, Tp, Dv]: e4m3.
-      q_rows [B, Hq, Tp / 64, 4, 64] f32: per query (lse2, delta, inv_q, inv_do).
+      q_rows [B, Hq, Tp / 64, 5, 64] f32: per query (lse2, delta, inv_q, inv_do, poison).
       k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv]: e4m3.
-      kv_inv [B, Hkv, Sp / 128, 2, 64] f32: K's and V's decode factor per key block.
+      kv_aux [B, Hkv, Sp / 64, 3, 64] f32, per 64-key tile: K's and V's decode factors
+        (repeated) and the keys' poison (NaN for a key whose K or V row was not finite).
       kt8 [B, Hkv, Dqk, Sp]: the permuted K-major copy of K (``want="dq"`` only).
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
     Returns:
@@ -264,9 +267,10 @@ def query_pass(
                 plgpu.copy_gmem_to_smem(src, dst, q_bars.at[n * WARPGROUPS + wg])
             for n in range(len(copies)):
                 plgpu.barrier_wait(q_bars.at[n * WARPGROUPS + wg])
-            lse2, delta, inv_q, inv_do = (_row(rows_smem.at[n]) for n in range(4))
+            lse2, delta, inv_q, inv_do, q_poison = (_row(rows_smem.at[n]) for n in range(ROWS))
             q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
-            loaded = [k_bars, v_bars, aux_bars] + [kt_bars] * want_dq + [seg_bars] * mask.segments
+            loaded = [k_bars, v_bars, aux_bars] + [kt_bars] * want_dq
+            loaded += [seg_bars] * mask.segments
             steps = jnp.minimum(n_k, tile + 1) if mask.causal else n_k
             full = 0 if every_tile else (tile if mask.causal else n_k)
 
@@ -275,7 +279,9 @@ def query_pass(
                 _wait_all((k_bars, v_bars, aux_bars), slot)
                 s, dp = _dots(q_smem, k_smem.at[slot].T, do_smem, v_smem.at[slot].T, (TILE, TILE))
                 inv_k, inv_v = _row(kvinv_smem.at[slot, 0]), _row(kvinv_smem.at[slot, 1])
-                s2 = s * _rows((c * inv_q) * inv_k, s.shape)
+                k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
+                s2 = s * _rows((c * inv_q) * inv_k, s.shape) + _rows(q_poison, s.shape)
+                s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
                 if masked:
                     k_seg = None
                     if mask.segments:
@@ -343,7 +349,7 @@ def query_pass(
                 copies = [
                     (k_ref.at[at + (keys,)], k_smem, k_bars),
                     (v_ref.at[at + (keys,)], v_smem, v_bars),
-                    (kvinv_ref.at[at + (j // 2,)], kvinv_smem, aux_bars),
+                    (kvinv_ref.at[at + (j,)], kvinv_smem, aux_bars),
                 ]
                 if want_dq:
                     copies.append((kt_ref.at[at + (slice(None), keys)], kt_smem, kt_bars))
@@ -367,7 +373,7 @@ def query_pass(
         smem = (
             plgpu.SMEM((WARPGROUPS, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((WARPGROUPS, TILE, dv), fp8, transforms=fp8_transforms(dv)),
-            plgpu.SMEM((WARPGROUPS, 4, TILE), F32),
+            plgpu.SMEM((WARPGROUPS, ROWS, TILE), F32),
             plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if mask.segments else None,
             out_smem,
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret and want_dq else None,
@@ -378,7 +384,7 @@ def query_pass(
             plgpu.SMEM((stages, dqk, TILE), fp8, transforms=fp8_transforms(TILE))
             if want_dq
             else None,
-            plgpu.SMEM((stages, 2, TILE), F32),
+            plgpu.SMEM((stages, 3, TILE), F32),
             plgpu.SMEM((stages, TILE), jnp.int32) if mask.segments else None,
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
@@ -393,7 +399,7 @@ def query_pass(
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
 
-    args = [q8, do8, q_rows, k8, v8, kv_inv]
+    args = [q8, do8, q_rows, k8, v8, kv_aux]
     if want_dq:
         args.append(kt8)
     if mask.segments:
@@ -420,7 +426,7 @@ def key_pass(
     q_rows,
     k8,
     v8,
-    kv_inv,
+    kv_aux,
     q_seg=None,
     kv_seg=None,
     *,
@@ -435,8 +441,9 @@ def key_pass(
     Args:
       q8 [B, Hq, Tp, Dqk], do8 [B, Hq, Tp, Dv] e4m3 and their permuted K-major copies
         qt8 [B, Hq, Dqk, Tp], dot8 [B, Hq, Dv, Tp].
-      q_rows [B, Hq, Tp / 64, 4, 64] f32: per query (lse2, delta, inv_q, inv_do).
-      k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv] e4m3; kv_inv [B, Hkv, Sp / 128, 2, 64] f32.
+      q_rows [B, Hq, Tp / 64, 5, 64] f32: per query (lse2, delta, inv_q, inv_do, poison).
+      k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv] e4m3; kv_aux [B, Hkv, Sp / 64, 3, 64] f32
+        as in :func:`query_pass`.
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
     Returns:
       dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv] in ``out_dtype`` (the public layout).
@@ -479,7 +486,7 @@ def key_pass(
             copies = [
                 (k_ref.at[batch, kv_head, keys], k_smem),
                 (v_ref.at[batch, kv_head, keys], v_smem),
-                (kvinv_ref.at[batch, kv_head, k_block], kvinv_smem.at[wg]),
+                (kvinv_ref.at[batch, kv_head, k_block * WARPGROUPS + wg], kvinv_smem.at[wg]),
             ]
             if mask.segments:
                 copies.append((kvseg_ref.at[batch, keys], kseg_smem2.at[wg]))
@@ -488,6 +495,7 @@ def key_pass(
             for n in range(len(copies)):
                 plgpu.barrier_wait(kv_bars.at[n * WARPGROUPS + wg])
             inv_k, inv_v = _row(kvinv_smem.at[wg, 0]), _row(kvinv_smem.at[wg, 1])
+            k_poison = _row(kvinv_smem.at[wg, 2])
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
 
             def step(n, carry, masked: bool):
@@ -500,7 +508,10 @@ def key_pass(
                 lse2 = plgpu.load(rows.at[0], (), layout=COL)
                 delta = plgpu.load(rows.at[1], (), layout=COL)
                 inv_q, inv_do = _row(rows.at[2]), _row(rows.at[3])
-                s2 = st * _rows((c * inv_q) * inv_k, st.shape)  # query_pass' factor, bitwise
+                q_poison = plgpu.load(rows.at[4], (), layout=COL)
+                # query_pass' S2 bit for bit (adding 0 or NaN commutes)
+                s2 = st * _rows((c * inv_q) * inv_k, st.shape) + _rows(k_poison, st.shape)
+                s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
                 if masked:
                     q_seg = None
                     if mask.segments:
@@ -579,7 +590,7 @@ def key_pass(
         smem = (
             plgpu.SMEM((WARPGROUPS, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((WARPGROUPS, TILE, dv), fp8, transforms=fp8_transforms(dv)),
-            plgpu.SMEM((WARPGROUPS, 2, TILE), F32),
+            plgpu.SMEM((WARPGROUPS, 3, TILE), F32),
             plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if segs else None,
             plgpu.SMEM((WARPGROUPS, TILE, dqk), out_dtype, transforms=out_transforms(out_dtype)),
             plgpu.SMEM((WARPGROUPS, TILE, dv), out_dtype, transforms=out_transforms(out_dtype)),
@@ -589,12 +600,12 @@ def key_pass(
             plgpu.SMEM((stages, dqk, TILE), fp8, transforms=fp8_transforms(TILE)),
             plgpu.SMEM((stages, TILE, dv), fp8, transforms=fp8_transforms(dv)),
             plgpu.SMEM((stages, dv, TILE), fp8, transforms=fp8_transforms(TILE)),
-            plgpu.SMEM((stages, 4, TILE), F32),
+            plgpu.SMEM((stages, ROWS, TILE), F32),
             plgpu.SMEM((stages, TILE), jnp.int32) if segs else None,
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            plgpu.Barrier(num_barriers=4 * WARPGROUPS),  # K, V, decode factors, segments
+            plgpu.Barrier(num_barriers=4 * WARPGROUPS),  # K, V, factors and poison, segments
             plgpu.Barrier(num_barriers=stages),  # Q
             plgpu.Barrier(num_barriers=stages),  # Q^T
             plgpu.Barrier(num_barriers=stages),  # dO
@@ -605,7 +616,7 @@ def key_pass(
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
 
-    args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_inv]
+    args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_aux]
     if segs:
         args += [q_seg, kv_seg]
     return plgpu.kernel(
@@ -626,8 +637,8 @@ def key_pass(
 def smem_fits(dqk: int, dv: int, stages: int, out_dtype) -> bool:
     """Whether the key pass (the larger of the two) fits shared memory with ``stages``."""
     out = jnp.dtype(out_dtype).itemsize
-    per_wg = TILE * (dqk + dv) * (1 + out) + 2 * TILE * 4 + TILE * TILE + REDUCTION_SCRATCH * 4
-    per_stage = 2 * TILE * (dqk + dv) + 4 * TILE * 4 + TILE * 4
+    per_wg = TILE * (dqk + dv) * (1 + out) + 3 * TILE * 4 + TILE * TILE + REDUCTION_SCRATCH * 4
+    per_stage = 2 * TILE * (dqk + dv) + ROWS * TILE * 4 + TILE * 4
     return WARPGROUPS * per_wg + stages * per_stage + 4096 <= SMEM_BYTES
 
 

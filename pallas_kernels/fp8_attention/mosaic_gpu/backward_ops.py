@@ -12,12 +12,17 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, BackwardResult
 from pallas_kernels.fp8_attention.mosaic_gpu import backward as kernels
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize as xla_quantize
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu.forward import ForwardMask
-from pallas_kernels.fp8_attention.mosaic_gpu.quantize import MosaicOperand, pad_segment_ids
+from pallas_kernels.fp8_attention.mosaic_gpu.quantize import (
+    BLOCK,
+    MosaicOperand,
+    pad_segment_ids,
+)
 from pallas_kernels.fp8_attention.triton import delta as delta_kernels
 from pallas_kernels.fp8_attention.triton.quantize import QuantizedTensor
 
@@ -44,8 +49,11 @@ class Operands(NamedTuple):
     k8: MosaicOperand
     v8: MosaicOperand  # values only
     do8: MosaicOperand
-    kv_inv: jax.Array  # [B, Hkv, Sp / 128, 2, 64]
-    lse2: jax.Array  # [B, Hq, Tp] f32, log2 units
+    # [B, Hkv, Sp / 64, 3, 64] per 64-key tile: K's and V's decode factors (repeated) and
+    # the keys' poison (NaN for a key whose K or V row was not finite, else 0)
+    kv_aux: jax.Array
+    q_poison: jax.Array  # [B, Hq, Tp] f32: NaN for rows with a bad Q, dO or lse
+    lse2: jax.Array  # [B, Hq, Tp] f32, log2 units (0 where lse was NaN: poisoned instead)
     segments: tuple  # (q_seg [B, Tp], kv_seg [B, Sp]) or ()
     kwargs: dict
 
@@ -61,19 +69,31 @@ def operands(q, k, v, lse, do, q_ids, kv_ids, *, spec, stages, fused_quantize, i
     segments = ()
     if q_ids is not None:
         segments = (pad_segment_ids(q_ids, tp, -1), pad_segment_ids(kv_ids, sp, -2))
-    # lse = +inf (a row that sees no key) stays +inf: P = 0 there
-    lse2 = jnp.pad(lse * kernels.LOG2E, ((0, 0), (0, 0), (0, tp - lse.shape[2])))
+    # lse = +inf (a row that sees no key) stays +inf: P = 0 there; a NaN lse (a row that
+    # saw a bad token) is zeroed and poisons the row instead
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, tp - lse.shape[2])))
+    q_poison = numerics.poison(q8.nonfinite | do8.nonfinite | jnp.isnan(lse))
+    lse2 = jnp.where(jnp.isnan(lse), 0.0, lse * kernels.LOG2E)
     mask = ForwardMask(t=q.shape[1], s=k.shape[1], causal=spec.causal, segments=bool(segments))
     kwargs = dict(mask=mask, sm_scale=spec.sm_scale, stages=stages, interpret=interpret)
-    kv_inv = jnp.stack([k8.inv_rows, v8.inv_rows], axis=3)
-    return Operands(q8, k8, v8, do8, kv_inv, lse2, segments, kwargs)
+    b, hkv = k8.inv_rows.shape[:2]
+    # each 128-key block's factors (repeated over 64 rows) once per 64-key tile
+    inv_k, inv_v = (jnp.repeat(x.inv_rows, BLOCK // kernels.TILE, axis=2) for x in (k8, v8))
+    k_poison = numerics.poison(k8.nonfinite | v8.nonfinite)
+    k_poison = k_poison.reshape(b, hkv, sp // kernels.TILE, kernels.TILE)
+    kv_aux = jnp.stack([inv_k, inv_v, k_poison], axis=3)
+    return Operands(q8, k8, v8, do8, kv_aux, q_poison, lse2, segments, kwargs)
 
 
 def query_rows(ops: Operands, delta_p):
-    """[B, Hq, Tp / 64, 4, 64] f32: per query (lse2, delta, inv_q, inv_do)."""
-    rows = jnp.stack([ops.lse2, delta_p, ops.q8.inv_tokens, ops.do8.inv_tokens], axis=2)
-    b, hq, _, tp = rows.shape
-    rows = rows.reshape(b, hq, 4, tp // kernels.TILE, kernels.TILE)
+    """[B, Hq, Tp / 64, 5, 64] f32: per query (lse2, delta, inv_q, inv_do, poison); a
+    non-finite delta is zeroed and poisons its row instead."""
+    poison = ops.q_poison + numerics.poison(~jnp.isfinite(delta_p))
+    delta_p = numerics.finite_or_zero(delta_p)
+    rows = [ops.lse2, delta_p, ops.q8.inv_tokens, ops.do8.inv_tokens, poison]
+    rows = jnp.stack(rows, axis=2)
+    b, hq, n, tp = rows.shape
+    rows = rows.reshape(b, hq, n, tp // kernels.TILE, kernels.TILE)
     return jnp.swapaxes(rows, 2, 3)
 
 
@@ -81,7 +101,7 @@ def _query_pass(ops: Operands, rows, **kwargs):
     kt = ops.k8.values_t if kwargs["want"] == "dq" else None
     q8, do8, k8, v8 = ops.q8.values, ops.do8.values, ops.k8.values, ops.v8.values
     return kernels.query_pass(
-        q8, do8, rows, k8, v8, ops.kv_inv, kt, *ops.segments, **kwargs, **ops.kwargs
+        q8, do8, rows, k8, v8, ops.kv_aux, kt, *ops.segments, **kwargs, **ops.kwargs
     )
 
 
@@ -90,7 +110,8 @@ def delta(ops: Operands, do, out, mode: str):
     if mode == "matched":
         rows = query_rows(ops, jnp.zeros_like(ops.lse2))  # (the pass reads no delta)
         return _query_pass(ops, rows, want="delta")
-    do8 = QuantizedTensor(ops.do8.values, None, ops.do8.inv_tokens)  # the row dot's view
+    # the row dot's view of dO^ (do_matched reads its values and decode factors)
+    do8 = QuantizedTensor(ops.do8.values, None, ops.do8.inv_tokens, ops.do8.nonfinite)
     return delta_kernels.row_dot_delta(mode, do, out, do8, ops.lse2.shape[2])
 
 
@@ -113,7 +134,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
             rows,
             ops.k8.values,
             ops.v8.values,
-            ops.kv_inv,
+            ops.kv_aux,
             *ops.segments,
             out_dtype=kv_dtype,
             **ops.kwargs,

@@ -6,7 +6,7 @@ and their decode factors into a ring of shared-memory stages with TMA.
 
 Per key tile j (128 keys: one scale block, so one K and one V decode factor), in log2
 units (c = sm_scale * log2(e)), for the 64 rows of a consumer warpgroup:
-    S2   = (Q8 K8_j^T) * (c inv_q inv_k_j)               wgmma, A = Q from shared memory
+    S2   = (Q8 K8_j^T) * (c inv_q inv_k_j) + poison_j      wgmma, A = Q from shared memory
     S2   = -inf where masked (causal, segments, padded keys)
     m'   = max(m, rowmax S2);   alpha = 2^(m - m')
     P256 = 2^(S2 - m' + 8)      (= 256 P: P's fixed FP8 scale folded into the exponent)
@@ -14,7 +14,9 @@ units (c = sm_scale * log2(e)), for the 64 rows of a consumer warpgroup:
     acc  = alpha acc + (P256^ V8_j) * inv_v_j             wgmma, A = P^ from registers
     O = acc / l,   lse = (m + log2(l) - 8) ln 2   (rows that see no key: O = 0, lse = +inf)
 P256 is cast to e4m3 in registers and regrouped into the 8-bit operand layout
-(:mod:`.regroup`); V^T arrives with its tokens permuted to match.
+(:mod:`.regroup`); V^T arrives with its tokens permuted to match. Tokens whose Q, K or V row
+held a non-finite value arrive zeroed, with NaN in inv_q (bad queries) or in the per-key
+``poison`` (bad keys or values, else 0): NaN reaches exactly the visible pairs.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ SMEM_BYTES = 232_448  # per CTA on the H200 (HOPPER_FP8.md)
 def smem_bytes(stages: int, dqk: int, dv: int, out_dtype) -> int:
     """Shared memory of one CTA: Q and O tiles per consumer warpgroup, K / V^T stages."""
     per_wg = ROWS * (dqk + dv * jnp.dtype(out_dtype).itemsize + 12)
-    per_stage = BLOCK * (dqk + dv) + 2 * ROWS * 4 + BLOCK * 4
+    per_stage = BLOCK * (dqk + dv) + 2 * ROWS * 4 + 2 * BLOCK * 4  # + the aux row
     return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
 
 
@@ -83,7 +85,7 @@ def forward(
     q_inv,
     k8,
     vt8,
-    kv_inv,
+    kv_aux,
     q_seg=None,
     kv_seg=None,
     *,
@@ -98,8 +100,9 @@ def forward(
     Args:
       q8: [B, Hq, Tp, Dqk] e4m3; q_inv: [B, Hq, Tp] f32 decode factor per query.
       k8: [B, Hkv, Sp, Dqk] e4m3; vt8: [B, Hkv, Dv, Sp] e4m3, tokens permuted per 16.
-      kv_inv: [B, Hkv, Sp / 128, 2, 64] f32: K's and V's decode factor of each key block,
-        each repeated over 64 rows.
+      kv_aux: [B, Hkv, Sp / 128, 256] f32, per key block: K's and V's decode factors, each
+        repeated over 64 rows, then the keys' poison (NaN for a key whose K or V row was not
+        finite, else 0): one copy per tile.
       q_seg [B, Tp], kv_seg [B, Sp]: int32 segment ids (only when ``mask.segments``).
     Returns:
       o [B, Tp, Hq, Dv] in ``out_dtype`` (the public layout: no transpose after the kernel),
@@ -203,13 +206,20 @@ def forward(
 
                 s = pl.run_scoped(qk, plgpu.ACC((ROWS, BLOCK), jnp.float32))
                 plgpu.barrier_wait(aux_bars.at[slot])
-                inv_k = plgpu.load(kvinv_smem.at[slot, 0], (), layout=plgpu.Layout.WGMMA.reduce(1))
-                inv_v = plgpu.load(kvinv_smem.at[slot, 1], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                aux = kvinv_smem.at[slot]
+                inv_k = plgpu.load(aux.at[pl.ds(0, ROWS)], (), layout=plgpu.Layout.WGMMA.reduce(1))
+                inv_v = plgpu.load(
+                    aux.at[pl.ds(ROWS, ROWS)], (), layout=plgpu.Layout.WGMMA.reduce(1)
+                )
+                k_poison = plgpu.load(
+                    aux.at[pl.ds(2 * ROWS, BLOCK)], (), layout=plgpu.Layout.WGMMA.reduce(0)
+                )
                 if masked and mask.segments:  # (with segments every tile is masked)
                     plgpu.barrier_wait(aux_bars.at[stages + slot])
                     k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * lax.broadcast_in_dim(row_scale * inv_k, s.shape, [0])
+                s = s + lax.broadcast_in_dim(k_poison, s.shape, [1])
                 if masked:
                     q_pos = row0 + plgpu.broadcasted_iota(
                         jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA
@@ -341,7 +351,7 @@ def forward(
             qseg,
             plgpu.SMEM((stages, BLOCK, dqk), jnp.float8_e4m3fn, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((stages, dv, BLOCK), jnp.float8_e4m3fn, transforms=fp8_transforms(BLOCK)),
-            plgpu.SMEM((stages, 2, ROWS), jnp.float32),
+            plgpu.SMEM((stages, 2 * ROWS + BLOCK), jnp.float32),
             kseg,
             # P^ in shared memory: interpret mode only (its wgmma takes A from a ref)
             plgpu.SMEM((WARPGROUPS, ROWS, BLOCK), jnp.float8_e4m3fn) if interpret else None,
@@ -350,8 +360,9 @@ def forward(
             plgpu.Barrier(num_barriers=3 * WARPGROUPS),  # Q, its decode factors, its segments
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V^T
-            # K's and V's decode factors [stages], then the key segment ids [stages]: one copy
-            # per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
+            # K's and V's decode factors with the keys' poison [stages], then the key segment
+            # ids [stages]: one copy per barrier (Pallas' GPU interpreter counts one arrival
+            # per barrier and copy)
             plgpu.Barrier(num_barriers=2 * stages),
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # K slot free
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # V slot free
@@ -359,7 +370,7 @@ def forward(
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers, collective_axes="wg")
 
-    args = [q8, q_inv, k8, vt8, kv_inv]
+    args = [q8, q_inv, k8, vt8, kv_aux]
     if mask.segments:
         args += [q_seg, kv_seg]
     o, lse = plgpu.kernel(

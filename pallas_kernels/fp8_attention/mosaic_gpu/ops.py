@@ -14,6 +14,7 @@ import functools
 
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, ForwardResult, Pass
 from pallas_kernels.fp8_attention.mosaic_gpu import backward_ops
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
@@ -37,9 +38,13 @@ def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False):
 
 
 def _kernel_operands(q8, k8, v8):
-    """The forward kernel's arguments from the quantized operands."""
-    kv_inv = jnp.stack([k8.inv_rows, v8.inv_rows], axis=3)  # [B, Hkv, Sp / 128, 2, 64]
-    return q8.values, q8.inv_tokens, k8.values, v8.values_t, kv_inv
+    """The forward kernel's arguments from the quantized operands: a bad query row gets NaN
+    in its decode factor, a bad key (K or V row) NaN in its poison."""
+    b, hkv, sp = k8.nonfinite.shape
+    k_poison = numerics.poison(k8.nonfinite | v8.nonfinite).reshape(b, hkv, sp // 128, 128)
+    kv_aux = jnp.concatenate([k8.inv_rows, v8.inv_rows, k_poison], axis=3)  # [.., 256]
+    q_inv = q8.inv_tokens + numerics.poison(q8.nonfinite)
+    return q8.values, q_inv, k8.values, v8.values_t, kv_aux
 
 
 def _out_dtype(dtype):

@@ -30,7 +30,11 @@ GROUPS = BLOCK // 16  # 16-token groups per scale block
 
 
 def _kernel(x_ref, *out_refs, values: bool, k_major: bool):
-    x = x_ref[...].astype(jnp.float32)  # [8, 2, 4, 2, D]: (group, h, t, e, d)
+    # [8, 2, 4, 2, D]: (group, h, t, e, d); non-finite values zeroed and their tokens
+    # flagged (quantize.py), in the same read of the tile
+    raw = x_ref[...].astype(jnp.float32)
+    finite = jnp.abs(raw) < jnp.inf  # False for NaN and Inf alike
+    x = jnp.where(finite, raw, 0.0)
     scale = numerics.pow2_scale(numerics.finite_amax(x))
     x8 = numerics.quantize(x, scale)
     refs = list(out_refs)
@@ -41,6 +45,7 @@ def _kernel(x_ref, *out_refs, values: bool, k_major: bool):
     inv = 1.0 / scale
     refs.pop(0)[...] = jnp.full((BLOCK,), inv, jnp.float32)
     refs.pop(0)[...] = jnp.full((ROWS,), inv, jnp.float32)
+    refs.pop(0)[...] = jnp.max(jnp.where(finite, 0, 1), axis=-1).astype(jnp.int32)
 
 
 def fused_supported(d: int) -> bool:
@@ -80,10 +85,12 @@ def quantize(
     out_specs += [
         pl.BlockSpec((None, None, BLOCK), lambda i, bi, hi: (bi, hi, i)),
         pl.BlockSpec((None, None, None, ROWS), lambda i, bi, hi: (bi, hi, i, 0)),
+        pl.BlockSpec((None, None, GROUPS, 2, 4, 2), lambda i, bi, hi: (bi, hi, i, 0, 0, 0)),
     ]
     out_shape += [
         jax.ShapeDtypeStruct((b, h, tp), jnp.float32),
         jax.ShapeDtypeStruct((b, h, n, ROWS), jnp.float32),
+        jax.ShapeDtypeStruct((b, h, tp // 16, 2, 4, 2), jnp.int32),  # token flags
     ]
     outs = pl.pallas_call(
         functools.partial(_kernel, values=values, k_major=k_major),
@@ -98,5 +105,5 @@ def quantize(
     outs = list(outs)
     vals = outs.pop(0).reshape(b, h, tp, d) if values else None
     vals_t = outs.pop(0).reshape(b, h, d, tp) if k_major else None
-    inv_tokens, inv_rows = outs
-    return MosaicOperand(vals, vals_t, inv_tokens, inv_rows)
+    inv_tokens, inv_rows, flags = outs
+    return MosaicOperand(vals, vals_t, inv_tokens, inv_rows, flags.reshape(b, h, tp) > 0)
