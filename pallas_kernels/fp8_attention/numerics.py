@@ -95,8 +95,9 @@ def quantize(x, scale, dtype=FP8_DTYPE):
     fmt_max = FP8_MAX if dtype == FP8_DTYPE else float(jnp.finfo(dtype).max)
     y = x.astype(jnp.float32) * scale
     clipped = jnp.clip(y, -fmt_max, fmt_max)
-    # Inf would be clipped to the max (silently hiding it): encode it as NaN.
-    y = jnp.where(jnp.abs(y) == jnp.inf, jnp.nan, clipped)
+    # Inf would be clipped to the max (silently hiding it), and so may NaN: the GPU's
+    # min/max return the operand that is a number. Encode both as NaN.
+    y = jnp.where(jnp.abs(y) < jnp.inf, clipped, jnp.nan)
     return y.astype(dtype)
 
 
