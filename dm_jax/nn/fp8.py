@@ -52,11 +52,13 @@ SCALINGS = ("per_token", "per_tensor")
 def current_scale(x: jax.Array, fmt_max: float = FP8_MAX, axis=None) -> jax.Array:
     """Power-of-two scale s with |x * s| <= fmt_max: s = 2^floor(log2(fmt_max / amax(x))).
 
-    The amax runs over `axis` (None: the whole tensor), kept as size-1 dims so the scale
-    broadcasts against x. The rules are dm_jax.numerics' (amax over finite values, exact
-    floor, amax == 0 -> 1); NaN and Inf propagate through the cast of the offending elements.
+    The amax runs over `axis`, kept as size-1 dims so the scale broadcasts against x; with
+    `axis=None` over the whole tensor, and the scale is a scalar. The rules are
+    dm_jax.numerics' (amax over finite values, exact floor, amax == 0 -> 1); NaN and Inf
+    propagate through the cast of the offending elements.
     """
-    return numerics.pow2_scale(numerics.finite_amax(x, axis=axis, keepdims=True), fmt_max)
+    amax = numerics.finite_amax(x, axis=axis, keepdims=axis is not None)
+    return numerics.pow2_scale(amax, fmt_max)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype=FP8) -> jax.Array:
