@@ -30,7 +30,6 @@ shared-memory stages.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -41,16 +40,17 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.mosaic_gpu import regroup
 from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
+    LOG2E,
     SMEM_BYTES,
+    WARPGROUPS,
     ForwardMask,
     fp8_transforms,
     out_transforms,
+    warp_specialized_call,
 )
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import BLOCK
 
-LOG2E = math.log2(math.e)
 TILE = 64  # tokens per streamed tile and per consumer warpgroup: the dS scale tile
-WARPGROUPS = 2
 CTA_TOKENS = WARPGROUPS * TILE
 F32 = jnp.float32
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
@@ -229,7 +229,7 @@ def query_pass(
     n_k = sp // TILE
     every_tile = mask.segments or _padded(mask, tp, sp)
     c = sm_scale * LOG2E
-    to_operand = regroup.permute_columns if interpret else regroup.regroup_fp8
+    to_operand = regroup.operand_fn(interpret)
 
     def kernel(q_ref, do_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
         rest = list(rest)
@@ -404,16 +404,11 @@ def query_pass(
         args.append(kt8)
     if mask.segments:
         args += [q_seg, kv_seg]
-    outs = plgpu.kernel(
-        dm_fp8_attention_query_pass_mosaic,
-        out_type=[jax.ShapeDtypeStruct(out_shape, out_dtype)]
-        + [jax.ShapeDtypeStruct((b, hq, 4, tp), F32)] * with_stats,
-        grid=(hq, tp // CTA_TOKENS, b),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    out_type = [jax.ShapeDtypeStruct(out_shape, out_dtype)]
+    out_type += [jax.ShapeDtypeStruct((b, hq, 4, tp), F32)] * with_stats
+    grid, grid_names = (hq, tp // CTA_TOKENS, b), ("heads", "q_seq", "batch")
+    outs = warp_specialized_call(
+        dm_fp8_attention_query_pass_mosaic, out_type, grid, grid_names, interpret
     )(*args)
     return tuple(outs) if with_stats else outs[0]
 
@@ -454,7 +449,7 @@ def key_pass(
     n_q = tp // TILE
     every_tile = mask.segments or _padded(mask, tp, sp)
     c = sm_scale * LOG2E
-    to_operand = regroup.permute_columns if interpret else regroup.regroup_fp8
+    to_operand = regroup.operand_fn(interpret)
 
     def kernel(q_ref, qt_ref, do_ref, dot_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
         if mask.segments:
@@ -619,18 +614,13 @@ def key_pass(
     args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_aux]
     if segs:
         args += [q_seg, kv_seg]
-    return plgpu.kernel(
-        dm_fp8_attention_key_pass_mosaic,
-        out_type=[
-            jax.ShapeDtypeStruct((b, sp, hkv, dqk), out_dtype),
-            jax.ShapeDtypeStruct((b, sp, hkv, dv), out_dtype),
-        ],
-        grid=(hkv, sp // CTA_TOKENS, b),
-        grid_names=("heads", "k_seq", "batch"),
-        num_threads=WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    out_type = [
+        jax.ShapeDtypeStruct((b, sp, hkv, dqk), out_dtype),
+        jax.ShapeDtypeStruct((b, sp, hkv, dv), out_dtype),
+    ]
+    grid, grid_names = (hkv, sp // CTA_TOKENS, b), ("heads", "k_seq", "batch")
+    return warp_specialized_call(
+        dm_fp8_attention_key_pass_mosaic, out_type, grid, grid_names, interpret
     )(*args)
 
 

@@ -6,7 +6,6 @@ Runs where :func:`reason` returns None (head dims up to 128, the 64 x 64 dS scal
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -15,9 +14,8 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, BackwardResult
 from pallas_kernels.fp8_attention.mosaic_gpu import backward as kernels
-from pallas_kernels.fp8_attention.mosaic_gpu import quantize as xla_quantize
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
-from pallas_kernels.fp8_attention.mosaic_gpu.forward import ForwardMask
+from pallas_kernels.fp8_attention.mosaic_gpu.forward import ForwardMask, kernel_dtype
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import (
     BLOCK,
     MosaicOperand,
@@ -59,10 +57,7 @@ class Operands(NamedTuple):
 
 
 def operands(q, k, v, lse, do, q_ids, kv_ids, *, spec, stages, fused_quantize, interpret):
-    if fused_quantize:
-        quantize = functools.partial(quantize_kernel.quantize, interpret=interpret)
-    else:
-        quantize = xla_quantize.quantize
+    quantize = quantize_kernel.quantizer(fused_quantize, interpret)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
     v8, do8 = quantize(v), quantize(do, k_major=True)
     tp, sp = q8.values.shape[2], k8.values.shape[2]
@@ -140,11 +135,6 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
             **ops.kwargs,
         )
     return dq, dk, dv, stats
-
-
-def kernel_dtype(dtype):
-    """The kernels write bf16, f16 or f32 (the cast to the input's dtype follows)."""
-    return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.float32
 
 
 def backward(ops: Operands, do, out, mode: str, dtypes, with_stats: bool) -> BackwardResult:

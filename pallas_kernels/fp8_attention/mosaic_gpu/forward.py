@@ -65,6 +65,28 @@ def out_transforms(dtype):
 SMEM_BYTES = 232_448  # per CTA on the H200 (HOPPER_FP8.md)
 
 
+def kernel_dtype(dtype):
+    """The dtype a kernel writes for inputs of ``dtype``: bf16, f16 or f32 (others: f32;
+    the cast to the input's dtype follows)."""
+    return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.float32
+
+
+def warp_specialized_call(body, out_type, grid, grid_names, interpret: bool):
+    """``plgpu.kernel`` with WARPGROUPS consumer warpgroups and one producer warpgroup
+    (thread axis "wg"), fast approximate math, or Pallas' GPU interpret mode (threads,
+    barriers, TMA and wgmma simulated on the CPU)."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=WARPGROUPS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    )
+
+
 def smem_bytes(stages: int, dqk: int, dv: int, out_dtype) -> int:
     """Shared memory of one CTA: Q and O tiles per consumer warpgroup, K / V^T stages."""
     per_wg = ROWS * (dqk + dv * jnp.dtype(out_dtype).itemsize + 12)
@@ -117,9 +139,7 @@ def forward(
     c = sm_scale * LOG2E
     block_q = WARPGROUPS * ROWS
 
-    # The FP8 register operand: the raw Mosaic regroup on the GPU; the same column
-    # permutation in plain JAX for the interpret twin (which cannot run raw Mosaic code).
-    to_operand = regroup.permute_columns if interpret else regroup.regroup_fp8
+    to_operand = regroup.operand_fn(interpret)
 
     def kernel(q_ref, qinv_ref, k_ref, vt_ref, kvinv_ref, *rest):
         if mask.segments:
@@ -373,18 +393,12 @@ def forward(
     args = [q8, q_inv, k8, vt8, kv_aux]
     if mask.segments:
         args += [q_seg, kv_seg]
-    o, lse = plgpu.kernel(
-        dm_fp8_attention_forward_mosaic,
-        out_type=[
-            jax.ShapeDtypeStruct((b, tp, hq, dv), out_dtype),
-            jax.ShapeDtypeStruct((b, hq, tp), jnp.float32),
-        ],
-        grid=(hq, tp // block_q, b),
-        grid_names=("heads", "q_seq", "batch"),
-        num_threads=WARPGROUPS + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        # Pallas' GPU interpret mode: threads, barriers, TMA and wgmma simulated on the CPU
-        interpret=plgpu.InterpretGPUParams() if interpret else False,
+    out_type = [
+        jax.ShapeDtypeStruct((b, tp, hq, dv), out_dtype),
+        jax.ShapeDtypeStruct((b, hq, tp), jnp.float32),
+    ]
+    grid, grid_names = (hq, tp // block_q, b), ("heads", "q_seq", "batch")
+    o, lse = warp_specialized_call(
+        dm_fp8_attention_forward_mosaic, out_type, grid, grid_names, interpret
     )(*args)
     return o, lse

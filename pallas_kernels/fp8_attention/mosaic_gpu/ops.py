@@ -10,15 +10,12 @@ No autodiff here: ``dm_jax`` wraps forward and backward in its ``jax.custom_vjp`
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, ForwardResult, Pass
 from pallas_kernels.fp8_attention.mosaic_gpu import backward_ops
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
-from pallas_kernels.fp8_attention.mosaic_gpu import quantize as xla_quantize
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig, default_config, supported
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import pad_segment_ids
@@ -30,10 +27,7 @@ __all__ = ["Config", "backward", "default_config", "delta", "forward", "passes",
 
 def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False):
     """(Q, K, V) for the forward: values of Q and K, the permuted K-major copy of V."""
-    if config.fused_quantize:
-        quantize = functools.partial(quantize_kernel.quantize, interpret=interpret)
-    else:
-        quantize = xla_quantize.quantize
+    quantize = quantize_kernel.quantizer(config.fused_quantize, interpret)
     return quantize(q), quantize(k), quantize(v, values=False, k_major=True)
 
 
@@ -45,10 +39,6 @@ def _kernel_operands(q8, k8, v8):
     kv_aux = jnp.concatenate([k8.inv_rows, v8.inv_rows, k_poison], axis=3)  # [.., 256]
     q_inv = q8.inv_tokens + numerics.poison(q8.nonfinite)
     return q8.values, q_inv, k8.values, v8.values_t, kv_aux
-
-
-def _out_dtype(dtype):
-    return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.float32
 
 
 def forward(
@@ -82,7 +72,7 @@ def forward(
         mask=mask,
         sm_scale=spec.sm_scale,
         stages=config.stages,
-        out_dtype=_out_dtype(q.dtype),
+        out_dtype=fwd_kernel.kernel_dtype(q.dtype),
         interpret=interpret,
     )
     return ForwardResult(o[:, :t].astype(q.dtype), lse[:, :, :t])
@@ -195,7 +185,7 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret:
             mask=mask,
             sm_scale=spec.sm_scale,
             stages=config.stages,
-            out_dtype=_out_dtype(q.dtype),
+            out_dtype=fwd_kernel.kernel_dtype(q.dtype),
             interpret=interpret,
         )
 

@@ -48,6 +48,11 @@ def _kernel(x_ref, *out_refs, values: bool, k_major: bool):
     refs.pop(0)[...] = jnp.max(jnp.where(finite, 0, 1), axis=-1).astype(jnp.int32)
 
 
+def quantizer(fused: bool, interpret: bool = False):
+    """The pre-pass to run: this kernel (``fused``) or the XLA pass, bitwise the same."""
+    return functools.partial(quantize, interpret=interpret) if fused else xla_pass.quantize
+
+
 def fused_supported(d: int) -> bool:
     return d >= 16 and d & (d - 1) == 0
 

@@ -44,6 +44,12 @@ def permute_tokens(x_BHDT):
     return permute_columns(x_BHDT, axis=-1)
 
 
+def operand_fn(interpret: bool):
+    """The FP8 register operand of a kernel: the raw regroup on the GPU, its permutation in
+    plain JAX for the interpret twin (which cannot run raw Mosaic code)."""
+    return permute_columns if interpret else regroup_fp8
+
+
 def regroup_fp8(x_fp8):
     """[rows, cols] e4m3 in the accumulator layout -> the same registers read as the
     8-bit wgmma operand layout (columns permuted as in the module docstring).
