@@ -1,14 +1,19 @@
-"""One launch of the Mosaic GPU forward kernel at [4, 4096, 16, 128] on pre-quantized
-operands, for Nsight Compute:
+"""One pass of the Mosaic GPU backend at [4, 4096, 16, 128] on its own inputs (the forward
+kernel on pre-quantized operands by default), for Nsight Compute:
 
     ncu --clock-control none -k regex:dm_fp8 --launch-skip 2 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats python3 benchmarks/profile_mosaic.py
+        --section SpeedOfLight --section WarpStateStats python3 benchmarks/profile_mosaic.py \\
+        [--causal] [--pass forward_kernel|delta_matched_kernel|dq_pass|dkdv_pass]
+
+Every pass runs three times; skip two launches of the kernel named by ``-k`` to profile the
+third. The backward passes' kernels are named dm_fp8_attention_query_pass_mosaic (delta,
+dQ) and dm_fp8_attention_key_pass_mosaic (dK/dV).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,18 +26,23 @@ from pallas_kernels.fp8_attention.tiles import default_tiles
 
 
 def main(argv=None):
-    case = dataclasses.replace(BENCH_MAIN, causal="--causal" in (argv or sys.argv[1:]))
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--pass", dest="name", default="forward_kernel", help="a key of ops.passes")
+    args = p.parse_args(argv)
+    case = dataclasses.replace(BENCH_MAIN, causal=args.causal)
     q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
     spec = AttentionSpec(
         case.causal, "matched", "fp8", case.dqk**-0.5, default_tiles(case.dqk, case.dv)
     )
-    kernel = backends.get("mosaic").passes(q, k, v, do, spec=spec, config=MosaicConfig())[
-        "forward_kernel"
-    ]
-    run = jax.jit(kernel.fn)
+    plan = backends.get("mosaic").passes(q, k, v, do, spec=spec, config=MosaicConfig())
+    if args.name not in plan:
+        p.error(f"--pass: unknown {args.name!r}; choose from {sorted(plan)}")
+    one = plan[args.name]
+    run = jax.jit(one.fn)
     for _ in range(3):
-        out = run(*kernel.args)[0]
-    print(float(jnp.sum(out.astype(jnp.float32))))
+        out = jax.tree.leaves(run(*one.args))
+    print(args.name, [float(jnp.sum(x.astype(jnp.float32))) for x in out])
 
 
 if __name__ == "__main__":
