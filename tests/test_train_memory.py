@@ -67,3 +67,23 @@ def test_skip_memory_check_starts_anyway(tmp_path, monkeypatch):
 def test_available_memory_is_read_on_this_machine():
     have, where = memory.available_bytes()
     assert have is not None and have > 0 and where
+
+
+def test_scanned_layers_estimate_tracks_xla_and_the_refusal_names_remat(monkeypatch):
+    # inside a scan XLA keeps more of each layer's residuals (a GPU's default: the `569m`
+    # preset at batch 8 x 4096 ran out of the H200's memory that way, docs/training.md)
+    small = ["--preset", "small", "--batch-size", "1", "--seq-len", "512", "--run-dir", "x"]
+    scanned = config_lib.parse_args(small + ["--scan-layers", "on"])
+    need = memory.estimate(scanned, model_lib.build_hybrid)
+    ratio = (need.state + need.activations) / _xla_bytes(scanned, model_lib.build_hybrid)
+    assert 0.8 < ratio < 1.25
+    unrolled = config_lib.parse_args(small + ["--scan-layers", "off"])
+    dots = config_lib.parse_args(small + ["--scan-layers", "on", "--remat", "dots"])
+    acts = [memory.estimate(c, model_lib.build_hybrid).activations for c in (dots, unrolled)]
+    assert acts[0] < acts[1] < need.activations
+    monkeypatch.setattr(memory, "available_bytes", lambda: (1e6, "free on the GPU"))
+    with pytest.raises(memory.InsufficientMemory, match="or add --remat dots"):
+        memory.check(scanned, model_lib.build_hybrid)
+    with pytest.raises(memory.InsufficientMemory) as refused:
+        memory.check(dots, model_lib.build_hybrid)
+    assert "--remat" not in str(refused.value)
