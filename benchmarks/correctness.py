@@ -23,6 +23,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dm_jax import backends, reference
 from dm_jax.numerics import DELTA_MODES
@@ -47,8 +48,16 @@ def fro_rel(a, b):
     return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
-def f32_out_and_grads(q, k, v, do, causal, segment_ids=None):
-    """(out, dq, dk, dv) of f32 attention (``mha_reference``) and its VJP under ``do``."""
+LOGIT_BYTES = 8 << 30  # f32 logits one slice of the f32 reference may hold
+
+
+def f32_out_and_grads(q, k, v, do, causal, segment_ids=None, logit_bytes=LOGIT_BYTES):
+    """(out, dq, dk, dv) of f32 attention (``mha_reference``) and its VJP under ``do``.
+
+    ``mha_reference`` holds whole [B, Hq, T, S] f32 logits (16 GiB at T=16384 and 16
+    heads), so the kv heads (each with its query heads) run in slices of at most
+    ``logit_bytes`` of logits, one after another; heads are independent, so nothing else
+    changes."""
 
     def run(q, k, v, do):
         def f(q, k, v):
@@ -57,7 +66,27 @@ def f32_out_and_grads(q, k, v, do, causal, segment_ids=None):
         o, vjp = jax.vjp(f, q, k, v)
         return (o,) + vjp(do)
 
-    return jax.jit(run)(q, k, v, do)
+    b, t, hq, _ = q.shape
+    s, hkv = k.shape[1], k.shape[2]
+    per_kv_head = b * (hq // hkv) * t * s * 4
+    per_slice = max(
+        d
+        for d in range(1, hkv + 1)
+        if hkv % d == 0 and d * per_kv_head <= max(logit_bytes, per_kv_head)
+    )
+    n = hkv // per_slice
+    if n == 1:
+        return jax.jit(run)(q, k, v, do)
+
+    def split(x):  # [B, L, H, D] -> [n, B, L, H / n, D]: slice i = kv heads of slice i
+        return jnp.moveaxis(x.reshape(x.shape[:2] + (n, x.shape[2] // n, x.shape[3])), 2, 0)
+
+    def join(x):
+        x = jnp.moveaxis(x, 0, 2)
+        return x.reshape(x.shape[:2] + (-1, x.shape[-1]))
+
+    sliced = jax.jit(lambda *a: lax.map(lambda xs: run(*xs), tuple(map(split, a))))
+    return tuple(join(x) for x in sliced(q, k, v, do))
 
 
 def row_ratio(rowsum, abssum):

@@ -33,6 +33,20 @@ def test_correctness_script_quick(tmp_path):
     assert max(r["ref_dq"] for r in records) < 1e-5  # kernels == emulation on the CPU
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_f32_reference_in_head_slices_equals_the_whole(causal):
+    # the checker slices its f32 attention over kv heads when the logits would not fit
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, do = (jax.random.normal(key, (1, 64, 8, 32)) for key in ks[:2])
+    k, v = (jax.random.normal(key, (1, 64, 4, 32)) for key in ks[2:])
+    ids = jnp.repeat(jnp.arange(2), 32)[None]
+    whole = correctness.f32_out_and_grads(q, k, v, do, causal, ids)
+    sliced = correctness.f32_out_and_grads(q, k, v, do, causal, ids, logit_bytes=1)
+    for a, b in zip(whole, sliced):
+        assert a.shape == b.shape
+        assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_passes_script_smoke(tmp_path):
     passes.main(
         [
