@@ -22,13 +22,12 @@ import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from dm_jax import backends, reference
 from dm_jax.numerics import DELTA_MODES
 from pallas_kernels.fp8_attention.api import AttentionSpec
-from pallas_kernels.fp8_attention.arg_specs import HEAD_DIMS, Case, gpu_cases
+from pallas_kernels.fp8_attention.arg_specs import Case, gpu_cases
 from pallas_kernels.fp8_attention.tiles import default_tiles
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES
 

@@ -18,7 +18,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 import traceback
 
 import jax

@@ -196,7 +196,7 @@ def flash_forward(q, k, v, segment_ids=None, *, causal, sm_scale, precision, blo
     out = acc / l (0 for rows with no visible key), lse = m + log l (+inf there).
     """
     b, t, hq, _ = q.shape
-    s_len, hkv, dv = v.shape[1], v.shape[2], v.shape[3]
+    s_len, dv = v.shape[1], v.shape[3]
     tiles = _tile_inputs(q, k, v, block_q, block_k, precision)
     info = MaskInfo.create(t, s_len, causal=causal, segment_ids=segment_ids)
     p_scale = numerics.p_scale(precision)

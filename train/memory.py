@@ -40,7 +40,6 @@ raises `InsufficientMemory` (a ValueError) with a one-line message when it canno
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, Optional
 
 import jax

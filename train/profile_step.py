@@ -18,7 +18,6 @@ Example (one H200, a few minutes):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile

@@ -155,7 +155,7 @@ def recurrent_chunked(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T, H, K = q_BTHK.shape
-    V, G = v_BTHV.shape[-1], log_decay_BTHG.shape[-1]
+    V = v_BTHV.shape[-1]
     C = min(chunk_size, T)
     N = -(-T // C)
     pad = N * C - T
