@@ -2,10 +2,12 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mosaic_backward.py --out $OUT
 
-For each variant (``--stages``: the backward's shared-memory stages) and causality: the
-matched-delta pass, the dQ pass and the dK/dV pass of the main benchmark shape, each timed
-on its own like benchmarks/passes.py, with their TFLOP/s (2, 3 and 4 matmuls). Writes
-mosaic_backward.json.
+For each variant (``--stages``: the backward's shared-memory stages; ``--delta-key-tiles``:
+keys per step of the matched-delta pass) and causality: the matched-delta pass, the dQ pass
+and the dK/dV pass of the main benchmark shape, each timed on its own like
+benchmarks/passes.py, with their TFLOP/s (2, 3 and 4 matmuls); a delta key tile other than
+the first times the delta pass only, and reports its largest difference from the first
+tile's delta. Writes mosaic_backward.json.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--stages", default="2,3", help="comma-separated backward stages")
+    p.add_argument(
+        "--delta-key-tiles", default="64", help="comma-separated keys per matched-delta step"
+    )
     p.add_argument("--causal", default="0,1")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
@@ -54,18 +59,33 @@ def main(argv=None):
             tiles=default_tiles(case.dqk, case.dv),
         )
         one = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if causal else 1.0)
-        for stages in [int(s) for s in args.stages.split(",")]:
-            config = MosaicConfig(backward_stages=stages, fused_quantize=not args.smoke)
+        tiles = [int(x) for x in args.delta_key_tiles.split(",")]
+        variants = [(int(s), tiles[0]) for s in args.stages.split(",")]
+        variants += [(variants[0][0], tile) for tile in tiles[1:]]
+        first_delta = None
+        for stages, delta_key_tile in variants:
+            config = MosaicConfig(
+                backward_stages=stages,
+                fused_quantize=not args.smoke,
+                delta_key_tile=delta_key_tile,
+            )
+            variant = dict(causal=causal, stages=stages, delta_key_tile=delta_key_tile)
             try:
                 plan = ops.passes(q, k, v, do, spec=spec, config=config, interpret=args.smoke)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
-                rows.append(dict(causal=causal, stages=stages, error=str(e)[:500]))
+                rows.append(dict(variant, error=str(e)[:500]))
                 continue
-            for name in PASSES:
+            names = PASSES if delta_key_tile == tiles[0] else PASSES[:1]
+            for name in names:
                 fn, fargs, matmuls = plan[name]
-                row = dict(causal=causal, stages=stages, name=name)
+                row = dict(variant, name=name)
                 try:
+                    if name == PASSES[0]:  # the delta itself, against the first tile's
+                        delta = jax.jit(fn)(*fargs)
+                        first_delta = delta if first_delta is None else first_delta
+                        diff = jnp.max(jnp.abs(delta - first_delta))
+                        row["delta_max_rel_diff"] = float(diff / jnp.max(jnp.abs(first_delta)))
                     sec = time_fn(fn, fargs, args.iters, args.reps)
                     row.update(ms=sec * 1e3, tflops=matmuls * one / sec / 1e12)
                 except Exception as e:  # noqa: BLE001
@@ -76,10 +96,10 @@ def main(argv=None):
     with open(os.path.join(args.out, "mosaic_backward.json"), "w") as f:
         info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows)
         json.dump(dict(info, seconds=time.time() - start), f, indent=1)
-    print("| causal | stages | pass | ms | TFLOP/s |")
+    print("| causal | stages | delta key tile | pass | ms | TFLOP/s |")
     for r in rows:
         print(
-            f"| {r['causal']} | {r['stages']} | {r.get('name', '-')} | "
+            f"| {r['causal']} | {r['stages']} | {r['delta_key_tile']} | {r.get('name', '-')} | "
             f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} | "
             f"{r.get('error', '')[:60]}"
         )

@@ -36,10 +36,11 @@ def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
         config.MosaicConfig(backward_stages=5)
 
 
-LOWER_CASES = [  # (b, t, s, hq, hkv, d, causal, segments, delta)
-    (1, 256, 256, 2, 2, 128, False, False, "matched"),
-    (2, 300, 200, 4, 2, 64, True, True, "stale"),
-    (1, 384, 384, 2, 1, 128, True, False, "do_matched"),
+LOWER_CASES = [  # (b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile)
+    (1, 256, 256, 2, 2, 128, False, False, "matched", 64),
+    (2, 300, 200, 4, 2, 64, True, True, "stale", 64),
+    (1, 384, 384, 2, 1, 128, True, False, "do_matched", 64),
+    (2, 300, 200, 4, 2, 128, True, True, "matched", 128),
 ]
 
 
@@ -48,7 +49,7 @@ LOWER_CASES = [  # (b, t, s, hq, hkv, d, causal, segments, delta)
 def test_backward_lowers_for_cuda(case):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
-    b, t, s, hq, hkv, d, causal, segments, delta = case
+    b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile = case
     sds = jax.ShapeDtypeStruct
     q, k = sds((b, t, hq, d), jnp.bfloat16), sds((b, s, hkv, d), jnp.bfloat16)
     lse = sds((b, hq, t), jnp.float32)
@@ -65,7 +66,7 @@ def test_backward_lowers_for_cuda(case):
             q_ids,
             kv_ids,
             spec=_spec(causal, delta, d),
-            config=config.MosaicConfig(fused_quantize=False),
+            config=config.MosaicConfig(fused_quantize=False, delta_key_tile=delta_key_tile),
             interpret=False,
             with_stats=True,
         )
@@ -159,3 +160,50 @@ def test_interpret_twin_masks_nan_like_the_emulation():
         ok = ~jnp.isnan(r)
         err = jnp.linalg.norm(jnp.where(ok, a - r, 0.0)) / jnp.linalg.norm(jnp.where(ok, r, 0.0))
         assert float(err) < 5e-4, (name, float(err))
+
+
+def test_delta_key_tile_is_checked():
+    with pytest.raises(ValueError, match="delta_key_tile must be 64 or 128"):
+        config.MosaicConfig(delta_key_tile=96)
+
+
+@NEEDS_011
+def test_matched_delta_in_128_key_steps_equals_64():
+    """The matched-delta pass with 128 keys per step (``delta_key_tile=128``) forms the same
+    P and dP^ as with 64 and sums them in another order: equal to f32 rounding, causal with
+    full and diagonal tiles, GQA."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t, hq, hkv, d = 1, 512, 2, 1, 64
+    ks = jax.random.split(jax.random.PRNGKey(3), 4)
+    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
+    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    scores = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, hq // hkv, axis=2)) * d**-0.5
+    visible = jnp.arange(t)[:, None] >= jnp.arange(t)[None]
+    lse = jax.nn.logsumexp(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    spec = _spec(True, "matched", d)
+    deltas = []
+    for key_tile in (64, 128):
+        cfg = config.MosaicConfig(fused_quantize=False, delta_key_tile=key_tile)
+        operands = ops._operands(q, k, v, lse, do, None, None, spec, cfg, True)
+        deltas.append(backward_ops.delta(operands, do, jnp.zeros_like(q), "matched"))
+    narrow, wide = deltas
+    assert bool(jnp.all(jnp.isfinite(wide)))
+    assert float(jnp.max(jnp.abs(wide - narrow)) / jnp.max(jnp.abs(narrow))) < 1e-6
+    with pytest.raises(ValueError, match="key_tile"):
+        from pallas_kernels.fp8_attention.mosaic_gpu import backward
+
+        ops_ = ops._operands(q, k, v, lse, do, None, None, spec, config.MosaicConfig(), True)
+        rows = backward_ops.query_rows(ops_, jnp.zeros_like(ops_.lse2))
+        backward.query_pass(
+            ops_.q8.values,
+            ops_.do8.values,
+            rows,
+            ops_.k8.values,
+            ops_.v8.values,
+            ops_.kv_aux,
+            ops_.k8.values_t,
+            want="dq",
+            key_tile=128,
+            **ops_.kwargs,
+        )

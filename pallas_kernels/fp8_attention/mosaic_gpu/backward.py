@@ -203,6 +203,7 @@ def query_pass(
     out_dtype=jnp.float32,
     with_stats: bool = False,
     interpret: bool = False,
+    key_tile: int = TILE,
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -214,6 +215,8 @@ def query_pass(
         (repeated) and the keys' poison (NaN for a key whose K or V row was not finite).
       kt8 [B, Hkv, Dqk, Sp]: the permuted K-major copy of K (``want="dq"`` only).
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
+      key_tile: keys per step, 64 (the dS scale tile: the only choice for dQ) or 128
+        (``want="delta"``, which forms no dS: one K and one V scale block per step).
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, Dqk] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -225,8 +228,17 @@ def query_pass(
     with_stats = with_stats and want_dq
     b, hq, tp, dqk = q8.shape
     hkv, sp, dv = k8.shape[1], k8.shape[2], v8.shape[3]
+    if key_tile not in (TILE, BLOCK) or (want_dq and key_tile != TILE) or sp % key_tile:
+        raise ValueError(
+            f"key_tile must be {TILE}, or {BLOCK} for want='delta' (S padded to {BLOCK}); "
+            f"got {key_tile} for want={want!r}, S={sp}"
+        )
     group = hq // hkv
-    n_k = sp // TILE
+    n_k = sp // key_tile
+    if key_tile != TILE:  # each step's decode factors and poison as rows of key_tile
+        n64 = kv_aux.shape[2]
+        kv_aux = kv_aux.reshape(b, hkv, n64 // 2, 2, 3, TILE).swapaxes(3, 4)
+        kv_aux = kv_aux.reshape(b, hkv, n64 // 2, 3, key_tile)
     every_tile = mask.segments or _padded(mask, tp, sp)
     c = sm_scale * LOG2E
     to_operand = regroup.operand_fn(interpret)
@@ -245,7 +257,7 @@ def query_pass(
         q_tile, wg = lax.axis_index("q_seq"), lax.axis_index("wg")
         kv_head = lax.div(head, jnp.array(group, head.dtype))
         if mask.causal:
-            cta_steps = jnp.minimum(n_k, (q_tile + 1) * WARPGROUPS)
+            cta_steps = jnp.minimum(n_k, (q_tile + 1) * CTA_TOKENS // key_tile)
         else:
             cta_steps = n_k
 
@@ -271,14 +283,19 @@ def query_pass(
             q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
             loaded = [k_bars, v_bars, aux_bars] + [kt_bars] * want_dq
             loaded += [seg_bars] * mask.segments
-            steps = jnp.minimum(n_k, tile + 1) if mask.causal else n_k
-            full = 0 if every_tile else (tile if mask.causal else n_k)
+            # causal: key tiles up to this warpgroup's last row; the first `full` of them
+            # end at or before its first row (no mask)
+            steps = jnp.minimum(n_k, pl.cdiv(row0 + TILE, key_tile)) if mask.causal else n_k
+            full = 0 if every_tile else ((row0 + 1) // key_tile if mask.causal else n_k)
 
             def step(j, carry, masked: bool):
                 slot = lax.rem(j, stages)
                 _wait_all((k_bars, v_bars, aux_bars), slot)
-                s, dp = _dots(q_smem, k_smem.at[slot].T, do_smem, v_smem.at[slot].T, (TILE, TILE))
-                inv_k, inv_v = _row(kvinv_smem.at[slot, 0]), _row(kvinv_smem.at[slot, 1])
+                shape = (TILE, key_tile)
+                s, dp = _dots(q_smem, k_smem.at[slot].T, do_smem, v_smem.at[slot].T, shape)
+                # the decode factors are repeated along their rows: read the first 64
+                inv_k = _row(kvinv_smem.at[slot, 0, pl.ds(0, TILE)])
+                inv_v = _row(kvinv_smem.at[slot, 1, pl.ds(0, TILE)])
                 k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
                 s2 = s * _rows((c * inv_q) * inv_k, s.shape) + _rows(q_poison, s.shape)
                 s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
@@ -287,7 +304,7 @@ def query_pass(
                     if mask.segments:
                         plgpu.barrier_wait(seg_bars.at[slot])
                         k_seg = plgpu.load(kseg_smem.at[slot], (), layout=COL)
-                    s2 = _masked(mask, s2, row0, j * TILE, False, q_seg, k_seg)
+                    s2 = _masked(mask, s2, row0, j * key_tile, False, q_seg, k_seg)
                 p = jnp.exp2(s2 - _rows(lse2, s2.shape))
                 dp = dp * _rows(inv_do * inv_v, dp.shape)
                 if not want_dq:  # delta_i += sum_j P_ij dP^_ij
@@ -344,7 +361,7 @@ def query_pass(
             plgpu.set_max_registers(40, action="decrease")
 
             def load(j, slot):
-                keys = pl.ds(j * TILE, TILE)
+                keys = pl.ds(j * key_tile, key_tile)
                 at = (batch, kv_head)
                 copies = [
                     (k_ref.at[at + (keys,)], k_smem, k_bars),
@@ -379,13 +396,13 @@ def query_pass(
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret and want_dq else None,
             plgpu.SMEM((WARPGROUPS, 4, TILE), F32) if with_stats else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
-            plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
-            plgpu.SMEM((stages, TILE, dv), fp8, transforms=fp8_transforms(dv)),
+            plgpu.SMEM((stages, key_tile, dqk), fp8, transforms=fp8_transforms(dqk)),
+            plgpu.SMEM((stages, key_tile, dv), fp8, transforms=fp8_transforms(dv)),
             plgpu.SMEM((stages, dqk, TILE), fp8, transforms=fp8_transforms(TILE))
             if want_dq
             else None,
-            plgpu.SMEM((stages, 3, TILE), F32),
-            plgpu.SMEM((stages, TILE), jnp.int32) if mask.segments else None,
+            plgpu.SMEM((stages, 3, key_tile), F32),
+            plgpu.SMEM((stages, key_tile), jnp.int32) if mask.segments else None,
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (

@@ -54,9 +54,12 @@ class Operands(NamedTuple):
     lse2: jax.Array  # [B, Hq, Tp] f32, log2 units (0 where lse was NaN: poisoned instead)
     segments: tuple  # (q_seg [B, Tp], kv_seg [B, Sp]) or ()
     kwargs: dict
+    delta_key_tile: int = kernels.TILE  # keys per step of the matched-delta pass
 
 
-def operands(q, k, v, lse, do, q_ids, kv_ids, *, spec, stages, fused_quantize, interpret):
+def operands(
+    q, k, v, lse, do, q_ids, kv_ids, *, spec, stages, fused_quantize, interpret, delta_key_tile=64
+):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
     v8, do8 = quantize(v), quantize(do, k_major=True)
@@ -77,7 +80,7 @@ def operands(q, k, v, lse, do, q_ids, kv_ids, *, spec, stages, fused_quantize, i
     k_poison = numerics.poison(k8.nonfinite | v8.nonfinite)
     k_poison = k_poison.reshape(b, hkv, sp // kernels.TILE, kernels.TILE)
     kv_aux = jnp.stack([inv_k, inv_v, k_poison], axis=3)
-    return Operands(q8, k8, v8, do8, kv_aux, q_poison, lse2, segments, kwargs)
+    return Operands(q8, k8, v8, do8, kv_aux, q_poison, lse2, segments, kwargs, delta_key_tile)
 
 
 def query_rows(ops: Operands, delta_p):
@@ -104,7 +107,7 @@ def delta(ops: Operands, do, out, mode: str):
     """delta [B, Hq, Tp] f32: the matched pass, or the row dot of dO (or dO^) and O."""
     if mode == "matched":
         rows = query_rows(ops, jnp.zeros_like(ops.lse2))  # (the pass reads no delta)
-        return _query_pass(ops, rows, want="delta")
+        return _query_pass(ops, rows, want="delta", key_tile=ops.delta_key_tile)
     # the row dot's view of dO^ (do_matched reads its values and decode factors)
     do8 = QuantizedTensor(ops.do8.values, None, ops.do8.inv_tokens, ops.do8.nonfinite)
     return delta_kernels.row_dot_delta(mode, do, out, do8, ops.lse2.shape[2])

@@ -28,18 +28,24 @@ class MosaicConfig:
     The backward runs in this backend's kernels (``mosaic_backward``, with
     ``backward_stages`` tile stages) where they support the call (head dims up to 128, a
     64 x 64 dS scale tile), else in the Triton passes with the
-    ``backward`` launch settings (None: Triton's default for the head dims)."""
+    ``backward`` launch settings (None: Triton's default for the head dims).
+    ``delta_key_tile``: keys per step of the matched-delta pass, 64 or 128 (it forms no dS,
+    so it is not bound to the 64 x 64 dS scale tile; P and dP^ are bitwise the same, delta
+    sums them in another order)."""
 
     stages: int = 2
     fused_quantize: bool = True
     mosaic_backward: bool = True
     backward_stages: int = 2
     backward: Optional[triton_config.TritonConfig] = None
+    delta_key_tile: int = 64
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):
             if not 1 <= getattr(self, name) <= 4:
                 raise ValueError(f"{name} must be in [1, 4], got {getattr(self, name)}")
+        if self.delta_key_tile not in (64, 128):
+            raise ValueError(f"delta_key_tile must be 64 or 128, got {self.delta_key_tile}")
 
     def backward_config(self, head_dim_qk: int, head_dim_v: int) -> triton_config.TritonConfig:
         if self.backward is not None:

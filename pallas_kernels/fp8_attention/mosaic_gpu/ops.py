@@ -98,6 +98,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         stages=config.backward_stages,
         fused_quantize=config.fused_quantize,
         interpret=interpret,
+        delta_key_tile=config.delta_key_tile,
     )
 
 
@@ -218,28 +219,30 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret:
 
 def _backward_passes(q, k, v, o, lse, do, spec, config, interpret) -> dict:
     """The Mosaic backward's passes, each on its own inputs."""
-
-    def quantize_bwd(q, k, v, lse, do):  # (the arrays only: a pass returns arrays)
-        return _operands(q, k, v, lse, do, None, None, spec, config, interpret)._replace(
-            kwargs=None
-        )
-
     ops = _operands(q, k, v, lse, do, None, None, spec, config, interpret)
+    static = dict(kwargs=ops.kwargs, delta_key_tile=ops.delta_key_tile)
+
+    def arrays_only(operands):  # a pass's arguments and results: arrays only
+        return operands._replace(**dict.fromkeys(static))
+
+    def quantize_bwd(q, k, v, lse, do):
+        return arrays_only(_operands(q, k, v, lse, do, None, None, spec, config, interpret))
+
     delta_p = backward_ops.delta(ops, do, o, "matched")
-    arrays = ops._replace(kwargs=None)  # a pass's arguments: arrays only
+    arrays = arrays_only(ops)
 
     def matched_delta(arrays):
-        return backward_ops.delta(arrays._replace(kwargs=ops.kwargs), do, o, "matched")
+        return backward_ops.delta(arrays._replace(**static), do, o, "matched")
 
     def stale_rowdot(do, o):
         return backward_ops.delta(ops, do, o, "stale")
 
     def dq_pass(arrays, delta_p):
-        ops_ = arrays._replace(kwargs=ops.kwargs)
+        ops_ = arrays._replace(**static)
         return backward_ops.gradients(ops_, delta_p, (q.dtype, k.dtype), passes=("dq",))
 
     def dkdv_pass(arrays, delta_p):
-        ops_ = arrays._replace(kwargs=ops.kwargs)
+        ops_ = arrays._replace(**static)
         return backward_ops.gradients(ops_, delta_p, (q.dtype, k.dtype), passes=("dkdv",))
 
     return {
