@@ -154,6 +154,7 @@ def test_forward_lowers_for_cuda(case):
 TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, segment length)
     (1, 256, 256, 2, 2, 64, False, None),
     (1, 300, 200, 4, 2, 64, True, None),  # GQA, ragged cross lengths, causal
+    (1, 512, 512, 2, 1, 64, True, None),  # more key tiles than stages: every slot reused
     # Segment ids are checked on the GPU only (benchmarks/mosaic_forward.py): in jax 0.11.2's
     # GPU interpreter the kernel with segments waits forever (docs/mosaic_gpu.md).
 ]

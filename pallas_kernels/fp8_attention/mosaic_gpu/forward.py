@@ -360,6 +360,14 @@ def forward(
                 plgpu.barrier_wait(v_free.at[slot])
                 load_v(j + stages, slot)
 
+            # the last releases too (nothing left to load): Pallas' GPU interpreter checks
+            # at exit that every completed phase was observed, as the backward's _stream
+            @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
     def dm_fp8_attention_forward_mosaic(*refs):  # the kernel's name in profiles
         kseg = plgpu.SMEM((stages, BLOCK), jnp.int32) if mask.segments else None
         qseg = plgpu.SMEM((WARPGROUPS, ROWS), jnp.int32) if mask.segments else None
