@@ -72,6 +72,7 @@ class Estimate:
     state: float
     activations: float
     runtime: float = RUNTIME_BYTES
+    remat_hint: str = ""  # for a refusal: a scanned step that rematerialises nothing
 
     @property
     def total(self) -> float:
@@ -116,12 +117,6 @@ def per_token_bytes(model, seq_len: int, *, pair_bytes: float) -> float:
     return total
 
 
-def _scanned(model) -> bool:
-    """Whether the model runs its layer group as one scan (HybridLM's rule)."""
-    config = getattr(model, "config", None)
-    return bool(getattr(config, "scan_layers", False) and getattr(config, "layer_repeats", 1) > 1)
-
-
 def estimate(cfg, build: Callable, n_devices: int = 1, *, gpu: bool = False) -> Estimate:
     """The memory a step of run `cfg` needs per device (`gpu`) or on the host (all
     `n_devices` CPU devices share it), from abstract shapes only (nothing is allocated)."""
@@ -150,12 +145,17 @@ def estimate(cfg, build: Callable, n_devices: int = 1, *, gpu: bool = False) -> 
     tokens = cfg.batch_size * cfg.seq_len
     activations = tokens * per_token_bytes(model, cfg.seq_len, pair_bytes=pair)
     state = 2 * (p_bytes + o_bytes) + p_bytes
-    if _scanned(model):
-        activations *= SCAN_ACTIVATIONS[model.config.remat]
+    hint = ""
+    model_config = getattr(model, "config", None)
+    if getattr(model_config, "scans_layers", False):
+        activations *= SCAN_ACTIVATIONS[model_config.remat]
         state += SCAN_STATE_COPIES * p_bytes
+        if model_config.remat == "none":
+            ratio = SCAN_ACTIVATIONS["dots"] / SCAN_ACTIVATIONS["none"]
+            hint = f", or add --remat dots (about {ratio:.0%} of the activations)"
     if gpu:
-        return Estimate(state, activations / n_devices)
-    return Estimate(state * n_devices, activations)
+        return Estimate(state, activations / n_devices, remat_hint=hint)
+    return Estimate(state * n_devices, activations, remat_hint=hint)
 
 
 def available_bytes() -> tuple[Optional[float], str]:
@@ -222,16 +222,5 @@ def check(cfg, build: Callable, mesh=None) -> str:
     raise InsufficientMemory(
         f"--batch-size {cfg.batch_size} --seq-len {cfg.seq_len}: the run needs {need.describe()} "
         f"but only {size(have)} is {where}; lower --batch-size or --seq-len (activations grow "
-        f"with both){_remat_hint(cfg, build)}, or pass --skip-memory-check to start anyway"
+        f"with both){need.remat_hint}, or pass --skip-memory-check to start anyway"
     )
-
-
-def _remat_hint(cfg, build: Callable) -> str:
-    """', or --remat dots (...)' when the model scans its layers without rematerialisation."""
-    from flax import nnx
-
-    model = nnx.eval_shape(lambda: build(cfg))
-    if not _scanned(model) or model.config.remat != "none":
-        return ""
-    ratio = SCAN_ACTIVATIONS["dots"] / SCAN_ACTIVATIONS["none"]
-    return f", or add --remat dots (about {ratio:.0%} of the activations)"

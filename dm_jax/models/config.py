@@ -143,6 +143,11 @@ class HybridConfig:
         return len(self.pattern) // self.layer_period
 
     @property
+    def scans_layers(self) -> bool:
+        """Whether the forward runs the repeats of the layer group as one `lax.scan`."""
+        return self.scan_layers and self.layer_repeats > 1
+
+    @property
     def attn_proj_fp8(self) -> bool:
         return (self.attn_proj or ("fp8" if self.attention in FP8_ARMS else "bf16")) == "fp8"
 

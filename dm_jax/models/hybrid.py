@@ -192,7 +192,7 @@ class HybridLM(nnx.Module):
             x = self.embed(tokens_BT).astype(self.dtype)  # gathered in FP32, then cast
         cfg, policy = self.config, REMAT_POLICIES[self.config.remat]
         per_layer = bool(ablate_attention_layers or core_probes or capture)
-        if cfg.scan_layers and cfg.layer_repeats > 1 and not per_layer:
+        if cfg.scans_layers and not per_layer:
             x = _scan_blocks(self.layers, cfg.layer_period, x, segment_ids, policy)
         else:  # one call per layer (and the per-layer probes, captures and ablations)
             for i, layer in enumerate(self.layers):
