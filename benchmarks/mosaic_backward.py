@@ -37,7 +37,9 @@ def main(argv=None):
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--stages", default="2,3", help="comma-separated backward stages")
     p.add_argument(
-        "--delta-key-tiles", default="64", help="comma-separated keys per matched-delta step"
+        "--delta-key-tiles",
+        default="128",
+        help="comma-separated keys per matched-delta step (the first one times every pass)",
     )
     p.add_argument("--causal", default="0,1")
     p.add_argument("--iters", type=int, default=10)
