@@ -3,11 +3,13 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mosaic_backward.py --out $OUT
 
 For each variant (``--stages``: the backward's shared-memory stages; ``--delta-key-tiles``:
-keys per step of the matched-delta pass) and causality: the matched-delta pass, the dQ pass
-and the dK/dV pass of the main benchmark shape, each timed on its own like
-benchmarks/passes.py, with their TFLOP/s (2, 3 and 4 matmuls); a delta key tile other than
-the first times the delta pass only, and reports its largest difference from the first
-tile's delta. Writes mosaic_backward.json.
+keys per step of the matched-delta pass; ``--pingpong``: the consumer warpgroups take turns
+on the tensor cores) and causality: the matched-delta pass, the dQ pass and the dK/dV pass
+of the main benchmark shape, each timed on its own like benchmarks/passes.py, with their
+TFLOP/s (2, 3 and 4 matmuls), and each result's largest difference from the first
+variant's (``max_rel_diff``: 0 where the variant must be bitwise equal, as ``--pingpong``
+is). A delta key tile other than the first times the delta pass only. Writes
+mosaic_backward.json.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ def main(argv=None):
         default="128",
         help="comma-separated keys per matched-delta step (the first one times every pass)",
     )
+    p.add_argument(
+        "--pingpong",
+        default="0",
+        help="comma-separated 0/1: the consumer warpgroups take turns on the tensor cores",
+    )
     p.add_argument("--causal", default="0,1")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
@@ -62,32 +69,34 @@ def main(argv=None):
         )
         one = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if causal else 1.0)
         tiles = [int(x) for x in args.delta_key_tiles.split(",")]
-        variants = [(int(s), tiles[0]) for s in args.stages.split(",")]
-        variants += [(variants[0][0], tile) for tile in tiles[1:]]
-        first_delta = None
-        for stages, delta_key_tile in variants:
+        turns = [bool(int(x)) for x in args.pingpong.split(",")]
+        stages0 = int(args.stages.split(",")[0])
+        variants = [(int(s), tiles[0], turns[0], PASSES) for s in args.stages.split(",")]
+        variants += [(stages0, tile, turns[0], PASSES[:1]) for tile in tiles[1:]]
+        variants += [(stages0, tiles[0], pp, PASSES) for pp in turns[1:]]
+        first = {}  # pass name -> the first variant's result
+        for stages, delta_key_tile, pingpong, names in variants:
             config = MosaicConfig(
                 backward_stages=stages,
                 fused_quantize=not args.smoke,
                 delta_key_tile=delta_key_tile,
+                backward_pingpong=pingpong,
             )
-            variant = dict(causal=causal, stages=stages, delta_key_tile=delta_key_tile)
+            variant = dict(
+                causal=causal, stages=stages, delta_key_tile=delta_key_tile, pingpong=pingpong
+            )
             try:
                 plan = ops.passes(q, k, v, do, spec=spec, config=config, interpret=args.smoke)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rows.append(dict(variant, error=str(e)[:500]))
                 continue
-            names = PASSES if delta_key_tile == tiles[0] else PASSES[:1]
             for name in names:
                 fn, fargs, matmuls = plan[name]
                 row = dict(variant, name=name)
-                try:
-                    if name == PASSES[0]:  # the delta itself, against the first tile's
-                        delta = jax.jit(fn)(*fargs)
-                        first_delta = delta if first_delta is None else first_delta
-                        diff = jnp.max(jnp.abs(delta - first_delta))
-                        row["delta_max_rel_diff"] = float(diff / jnp.max(jnp.abs(first_delta)))
+                try:  # the result, against the first variant's (pingpong: bitwise equal)
+                    result = jax.jit(fn)(*fargs)
+                    row["max_rel_diff"] = max_rel_diff(result, first.setdefault(name, result))
                     sec = time_fn(fn, fargs, args.iters, args.reps)
                     row.update(ms=sec * 1e3, tflops=matmuls * one / sec / 1e12)
                 except Exception as e:  # noqa: BLE001
@@ -98,13 +107,26 @@ def main(argv=None):
     with open(os.path.join(args.out, "mosaic_backward.json"), "w") as f:
         info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows)
         json.dump(dict(info, seconds=time.time() - start), f, indent=1)
-    print("| causal | stages | delta key tile | pass | ms | TFLOP/s |")
+    print("| causal | stages | delta key tile | pingpong | pass | ms | TFLOP/s | vs first |")
     for r in rows:
         print(
-            f"| {r['causal']} | {r['stages']} | {r['delta_key_tile']} | {r.get('name', '-')} | "
-            f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} | "
+            f"| {r['causal']} | {r['stages']} | {r['delta_key_tile']} | {r['pingpong']} | "
+            f"{r.get('name', '-')} | {r.get('ms', float('nan')):.3f} | "
+            f"{r.get('tflops', float('nan')):.0f} | {r.get('max_rel_diff', float('nan')):.1e} | "
             f"{r.get('error', '')[:60]}"
         )
+
+
+def max_rel_diff(result, reference) -> float:
+    """Largest |result - reference| over each array's largest |reference|, over the arrays
+    of a pass's result (None entries skipped)."""
+    pairs = zip(jax.tree.leaves(result), jax.tree.leaves(reference))
+    diffs = [
+        jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+        / jnp.maximum(jnp.max(jnp.abs(b.astype(jnp.float32))), 1e-30)
+        for a, b in pairs
+    ]
+    return max((float(d) for d in diffs), default=0.0)
 
 
 if __name__ == "__main__":

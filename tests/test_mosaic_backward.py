@@ -47,9 +47,27 @@ LOWER_CASES = [  # (b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile
 @NEEDS_011
 @pytest.mark.parametrize("case", LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_backward_lowers_for_cuda(case):
+    _export_backward(case)
+
+
+PINGPONG_LOWER_CASES = [  # as LOWER_CASES
+    (1, 256, 256, 2, 2, 128, False, False, "matched", 128),
+    (2, 300, 200, 4, 2, 64, True, True, "matched", 128),
+]
+
+
+@NEEDS_011
+@pytest.mark.parametrize("case", PINGPONG_LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_pingpong_backward_lowers_for_cuda(case):
+    """``backward_pingpong``: the passes with the consumer warpgroups' two-party barrier."""
+    _export_backward(case, backward_pingpong=True)
+
+
+def _export_backward(case, **config_fields):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile = case
+    cfg = config.MosaicConfig(fused_quantize=False, delta_key_tile=delta_key_tile, **config_fields)
     sds = jax.ShapeDtypeStruct
     q, k = sds((b, t, hq, d), jnp.bfloat16), sds((b, s, hkv, d), jnp.bfloat16)
     lse = sds((b, hq, t), jnp.float32)
@@ -66,7 +84,7 @@ def test_backward_lowers_for_cuda(case):
             q_ids,
             kv_ids,
             spec=_spec(causal, delta, d),
-            config=config.MosaicConfig(fused_quantize=False, delta_key_tile=delta_key_tile),
+            config=cfg,
             interpret=False,
             with_stats=True,
         )
@@ -132,6 +150,34 @@ def test_interpret_twin_matches_the_emulation(case):
     assert float(jnp.max(jnp.abs(res.ds_rowsum_pre) / scale)) < 1e-5  # matched: delta cancels
     post = jnp.abs(res.ds_rowsum_post) / jnp.mean(res.ds_abssum_post, axis=-1, keepdims=True)
     assert float(jnp.median(post)) > 1e-4  # the cast's own residual is there to see
+
+
+@NEEDS_011
+def test_pingpong_is_bitwise_the_same():
+    """The consumer warpgroups' turns on the tensor cores change when each dot runs, not
+    what it computes: delta, dQ, dK, dV and the dS row statistics bitwise equal without
+    them. Causal with a ragged length, so the two warpgroups of a query CTA step through
+    different numbers of key tiles (the one that stops early still takes its turns), GQA."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t, hq, hkv, d = 1, 320, 4, 2, 64
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
+    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    spec = _spec(True, "matched", d)
+    results = []
+    for pingpong in (False, True):
+        cfg = config.MosaicConfig(fused_quantize=False, backward_pingpong=pingpong)
+        out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+        results.append(
+            ops.backward(
+                q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True, with_stats=True
+            )
+        )
+    plain, turns = results
+    assert bool(jnp.all(jnp.isfinite(plain.dq))) and float(jnp.max(jnp.abs(plain.dk))) > 0
+    for name in plain._fields:
+        assert bool(jnp.all(getattr(plain, name) == getattr(turns, name))), name
 
 
 @NEEDS_011

@@ -101,6 +101,19 @@ def quantize(x, scale, dtype=FP8_DTYPE):
     return y.astype(dtype)
 
 
+def quantize_by_own_amax(x, scale, dtype=FP8_DTYPE):
+    """``quantize(x, scale)`` where ``scale = pow2_scale(amax)`` of x's own finite amax (a
+    dS tile): bitwise the same on finite values, NaN where x is not finite (the NaN's sign
+    bit may differ), in fewer ops (a kernel does this for every dS element).
+
+    scale is a power of two <= fmt_max / amax, so every finite |x * scale| is exactly at
+    most fmt_max and the clip cannot change a bit; y + 0 * y is y for every finite y and
+    NaN for Inf and NaN, so it encodes non-finite values as NaN in one fused multiply-add.
+    """
+    y = x.astype(jnp.float32) * scale
+    return (y + y * jnp.float32(0.0)).astype(dtype)
+
+
 def nonfinite_tokens(x_BHTD):
     """[B, H, T] bool: the token's row (over the head dim) holds a NaN or an Inf."""
     return jnp.any(~jnp.isfinite(x_BHTD), axis=-1)

@@ -2,10 +2,11 @@
 
 Both kinds of pass recompute, per (64 queries x 64 keys) tile, in log2 units
 (c = sm_scale log2(e), lse2 = lse log2(e), inv the decode factors, constant per tile):
-    S2  = (Q8 K8^T) * (c inv_q inv_k) + poison_q + poison_k,   -inf where masked
+    S2  = (Q8 K8^T) * (c inv_q inv_k + poison_row) + poison_col,   -inf where masked
     P   = 2^(S2 - lse2)
     dP^ = (dO8 V8^T) * (inv_do inv_v)
     dS  = P (dP^ - delta),  s = 2^floor(log2(448 / amax|dS|)),  dS^ = e4m3(dS s)
+                                     (no clip needed: |dS s| <= 448 exactly)
 (poison: NaN for a query row or key whose operands were not finite, else 0, so NaN reaches
 exactly the visible pairs.) The 64 x 64 tile is the contract's dS scale tile (``NumericsTiles.ds_tile``), so dS is
 scaled exactly as the emulation scales it. Every scale factor is a power of two apart from
@@ -24,7 +25,10 @@ c, so the order of the multiplications does not change a bit.
 
 Each tile's dot runs in a fresh accumulator and is added in FP32 (the Triton backend's
 default accumulation). A producer warpgroup streams the tiles with TMA into a ring of
-shared-memory stages.
+shared-memory stages. With ``pingpong`` the two consumer warpgroups take turns on the tensor
+cores, as the forward's do: a two-party barrier after each warpgroup issues its S and dP^
+dots and another before its register dots, with warpgroup 1 one phase ahead, so one
+warpgroup's tile math (exp2, dS, its amax and casts) runs while the other's dots do.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def _quantize_ds(ds, scratch, interpret: bool):
     a = jnp.abs(ds)
     a = jnp.where(a < jnp.inf, a, 0.0)  # NaN and Inf do not poison the tile's scale
     amax = _row_max(a.max(axis=1), scratch, interpret)
-    return numerics.quantize(ds, _scale(amax, ds.shape)), amax
+    return numerics.quantize_by_own_amax(ds, _scale(amax, ds.shape)), amax
 
 
 def _rows(vec, shape):
@@ -127,15 +131,66 @@ def _padded(mask: ForwardMask, tp: int, sp: int) -> bool:
     return mask.t != tp or mask.s != sp
 
 
-def _dots(a1, b1, a2, b2, shape):
-    """(a1 @ b1, a2 @ b2) in fresh f32 accumulators, issued together (one wait)."""
+def _dots(a1, b1, a2, b2, shape, after_issue=None):
+    """(a1 @ b1, a2 @ b2) in fresh f32 accumulators, issued together (one wait);
+    ``after_issue()`` runs between issuing them and waiting for them."""
 
     def body(acc1, acc2):
         plgpu.wgmma(acc1, a1, b1)
         plgpu.wgmma(acc2, a2, b2)
+        if after_issue is not None:
+            after_issue()
         return acc1[...], acc2[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, F32), plgpu.ACC(shape, F32))
+
+
+class _Schedule:
+    """The ping-pong of the two consumer warpgroups (``pingpong``), or nothing.
+
+    ``barrier``: a two-party barrier (one arrival per consumer warpgroup) or None. Each
+    warpgroup passes it twice per step (``after_issue``, then ``arrive`` ... ``wait``
+    around its register dots); ``start`` puts warpgroup 1 one phase ahead and ``finish``
+    evens the count, so both pass it equally often (``skip`` for a step a warpgroup does
+    not compute)."""
+
+    def __init__(self, barrier, wg, per_step: int = 2):
+        self.barrier, self.wg, self.per_step = barrier, wg, per_step
+
+    def _sync(self):
+        plgpu.barrier_arrive(self.barrier)
+        plgpu.barrier_wait(self.barrier)
+
+    @property
+    def after_issue(self):
+        return self._sync if self.barrier is not None else None
+
+    def start(self):
+        if self.barrier is not None:
+            pl.when(self.wg == 1)(self._sync)
+
+    def finish(self):
+        if self.barrier is not None:
+            pl.when(self.wg == 0)(self._sync)
+
+    def skip(self):
+        if self.barrier is not None:
+            for _ in range(self.per_step):
+                self._sync()
+
+    def arrive(self, values):
+        """Finishes ``values`` (the math the register dots read) and frees the tensor cores
+        for the other warpgroup; returns them."""
+        if self.barrier is None:
+            return values
+        values = lax.optimization_barrier(values)
+        plgpu.barrier_arrive(self.barrier)
+        return values
+
+    def wait(self):
+        """Until the other warpgroup's dots are issued and done with."""
+        if self.barrier is not None:
+            plgpu.barrier_wait(self.barrier)
 
 
 def _register_dot(a8, b_ref, shape, interpret, a_smem):
@@ -204,6 +259,7 @@ def query_pass(
     with_stats: bool = False,
     interpret: bool = False,
     key_tile: int = TILE,
+    pingpong: bool = False,
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -217,6 +273,7 @@ def query_pass(
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
       key_tile: keys per step, 64 (the dS scale tile: the only choice for dQ) or 128
         (``want="delta"``, which forms no dS: one K and one V scale block per step).
+      pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, Dqk] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -252,9 +309,10 @@ def query_pass(
         q_smem2, do_smem2, rows_smem2, qseg_smem2, out_smem2, a_smem2, stats_smem2 = smem[:7]
         red_smem2 = smem[7]
         k_smem, v_smem, kt_smem, kvinv_smem, kseg_smem = smem[8:]
-        q_bars, k_bars, v_bars, kt_bars, aux_bars, seg_bars, free = bars
+        q_bars, k_bars, v_bars, kt_bars, aux_bars, seg_bars, free, schedule = bars
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
         q_tile, wg = lax.axis_index("q_seq"), lax.axis_index("wg")
+        turns = _Schedule(schedule, wg, per_step=2 if want_dq else 1)
         kv_head = lax.div(head, jnp.array(group, head.dtype))
         if mask.causal:
             cta_steps = jnp.minimum(n_k, (q_tile + 1) * CTA_TOKENS // key_tile)
@@ -292,12 +350,20 @@ def query_pass(
                 slot = lax.rem(j, stages)
                 _wait_all((k_bars, v_bars, aux_bars), slot)
                 shape = (TILE, key_tile)
-                s, dp = _dots(q_smem, k_smem.at[slot].T, do_smem, v_smem.at[slot].T, shape)
+                s, dp = _dots(
+                    q_smem,
+                    k_smem.at[slot].T,
+                    do_smem,
+                    v_smem.at[slot].T,
+                    shape,
+                    turns.after_issue,
+                )
                 # the decode factors are repeated along their rows: read the first 64
                 inv_k = _row(kvinv_smem.at[slot, 0, pl.ds(0, TILE)])
                 inv_v = _row(kvinv_smem.at[slot, 1, pl.ds(0, TILE)])
                 k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
-                s2 = s * _rows((c * inv_q) * inv_k, s.shape) + _rows(q_poison, s.shape)
+                # the rows' poison (0 or NaN) joins their factor: one op per score less
+                s2 = s * _rows((c * inv_q) * inv_k + q_poison, s.shape)
                 s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
                 if masked:
                     k_seg = None
@@ -312,11 +378,12 @@ def query_pass(
                     return carry + (p * dp).sum(axis=1)
                 ds = p * (dp - _rows(delta, p.shape))
                 ds8, amax = _quantize_ds(ds, red_smem2.at[wg], interpret)
+                # (ds8 stays for the statistics: the operand is its regrouped copy)
+                a8, amax, carry = turns.arrive((to_operand(ds8), amax, carry))
                 plgpu.barrier_wait(kt_bars.at[slot])
+                turns.wait()
                 a_smem = a_smem2.at[wg] if interpret else None
-                part = _register_dot(
-                    to_operand(ds8), kt_smem.at[slot].T, (TILE, dqk), interpret, a_smem
-                )
+                part = _register_dot(a8, kt_smem.at[slot].T, (TILE, dqk), interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 shape = part.shape
                 dq = carry[0] + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_k, shape))
@@ -332,6 +399,7 @@ def query_pass(
                 init += (row_zeros,) * (4 * with_stats)
             else:
                 init = row_zeros
+            turns.start()
             carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
             carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
@@ -340,6 +408,9 @@ def query_pass(
                 slot = lax.rem(j, stages)
                 _wait_all(loaded, slot)
                 plgpu.barrier_arrive(free.at[slot])
+                turns.skip()
+
+            turns.finish()
 
             out_smem = out_smem2.at[wg]
             if want_dq:
@@ -413,6 +484,7 @@ def query_pass(
             plgpu.Barrier(num_barriers=stages),  # decode factors
             plgpu.Barrier(num_barriers=stages),  # key segment ids
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # slot free
+            plgpu.Barrier(num_arrivals=WARPGROUPS) if pingpong else None,  # tensor-core turns
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
 
@@ -447,6 +519,7 @@ def key_pass(
     stages: int,
     out_dtype=jnp.float32,
     interpret: bool = False,
+    pingpong: bool = False,
 ):
     """dK and dV, summed over each kv head's query heads.
 
@@ -457,6 +530,7 @@ def key_pass(
       k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv] e4m3; kv_aux [B, Hkv, Sp / 64, 3, 64] f32
         as in :func:`query_pass`.
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
+      pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
     Returns:
       dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv] in ``out_dtype`` (the public layout).
     """
@@ -477,9 +551,10 @@ def key_pass(
         k_smem2, v_smem2, kvinv_smem, kseg_smem2, dk_smem2, dv_smem2, a_smem2 = smem[:7]
         red_smem2 = smem[7]
         q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem = smem[8:]
-        kv_bars, q_bars, qt_bars, do_bars, dot_bars, rows_bars, seg_bars, free = bars
+        kv_bars, q_bars, qt_bars, do_bars, dot_bars, rows_bars, seg_bars, free, schedule = bars
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
         k_block, wg = lax.axis_index("k_seq"), lax.axis_index("wg")
+        turns = _Schedule(schedule, wg)  # both warpgroups step through every query tile
         # causal: the first query tile that sees a key of this CTA
         first = k_block * WARPGROUPS if mask.causal else 0
         per_head = jnp.maximum(n_q - first, 0)
@@ -515,14 +590,22 @@ def key_pass(
                 slot = lax.rem(n, stages)
                 _, i = locate(n)
                 _wait_all((q_bars, do_bars, rows_bars), slot)
-                st, dpt = _dots(k_smem, q_smem.at[slot].T, v_smem, do_smem.at[slot].T, (TILE, TILE))
+                st, dpt = _dots(
+                    k_smem,
+                    q_smem.at[slot].T,
+                    v_smem,
+                    do_smem.at[slot].T,
+                    (TILE, TILE),
+                    turns.after_issue,
+                )
                 rows = rows_smem.at[slot]
                 lse2 = plgpu.load(rows.at[0], (), layout=COL)
                 delta = plgpu.load(rows.at[1], (), layout=COL)
                 inv_q, inv_do = _row(rows.at[2]), _row(rows.at[3])
                 q_poison = plgpu.load(rows.at[4], (), layout=COL)
-                # query_pass' S2 bit for bit (adding 0 or NaN commutes)
-                s2 = st * _rows((c * inv_q) * inv_k, st.shape) + _rows(k_poison, st.shape)
+                # query_pass' S2 bit for bit but the sign of a zero (which exp2 ignores):
+                # the same product, NaN where either poison is
+                s2 = st * _rows((c * inv_q) * inv_k + k_poison, st.shape)
                 s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
                 if masked:
                     q_seg = None
@@ -535,16 +618,16 @@ def key_pass(
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
                 ds8, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
                 p8 = numerics.cast_probabilities(pt, "fp8")
+                p8, ds8, amax, dk, dv_acc = turns.arrive(
+                    (to_operand(p8), to_operand(ds8), amax, dk, dv_acc)
+                )
                 a_smem = a_smem2.at[wg] if interpret else None
                 plgpu.barrier_wait(dot_bars.at[slot])
-                part = _register_dot(
-                    to_operand(p8), dot_smem.at[slot].T, (TILE, dv), interpret, a_smem
-                )
+                turns.wait()
+                part = _register_dot(p8, dot_smem.at[slot].T, (TILE, dv), interpret, a_smem)
                 dv_acc = dv_acc + part * _rows(inv_do * (1.0 / numerics.P_SCALE), part.shape)
                 plgpu.barrier_wait(qt_bars.at[slot])
-                part = _register_dot(
-                    to_operand(ds8), qt_smem.at[slot].T, (TILE, dqk), interpret, a_smem
-                )
+                part = _register_dot(ds8, qt_smem.at[slot].T, (TILE, dqk), interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 shape = part.shape
                 return dk + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_q, shape)), dv_acc
@@ -565,7 +648,9 @@ def key_pass(
                 )
 
             zeros = lambda d: plgpu.layout_cast(jnp.zeros((TILE, d), F32), plgpu.Layout.WGMMA)  # noqa: E731
+            turns.start()
             dk, dv_acc = lax.fori_loop(0, group, head_steps, (zeros(dqk), zeros(dv)))
+            turns.finish()
             dk_smem, dv_smem = dk_smem2.at[wg], dv_smem2.at[wg]
             dk_smem[...] = dk.astype(out_dtype)
             dv_smem[...] = dv_acc.astype(out_dtype)
@@ -625,6 +710,7 @@ def key_pass(
             plgpu.Barrier(num_barriers=stages),  # row data
             plgpu.Barrier(num_barriers=stages),  # query segment ids
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # slot free
+            plgpu.Barrier(num_arrivals=WARPGROUPS) if pingpong else None,  # tensor-core turns
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
 

@@ -58,7 +58,20 @@ class Operands(NamedTuple):
 
 
 def operands(
-    q, k, v, lse, do, q_ids, kv_ids, *, spec, stages, fused_quantize, interpret, delta_key_tile=64
+    q,
+    k,
+    v,
+    lse,
+    do,
+    q_ids,
+    kv_ids,
+    *,
+    spec,
+    stages,
+    fused_quantize,
+    interpret,
+    delta_key_tile=128,
+    pingpong=False,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
@@ -73,7 +86,9 @@ def operands(
     q_poison = numerics.poison(q8.nonfinite | do8.nonfinite | jnp.isnan(lse))
     lse2 = jnp.where(jnp.isnan(lse), 0.0, lse * kernels.LOG2E)
     mask = ForwardMask(t=q.shape[1], s=k.shape[1], causal=spec.causal, segments=bool(segments))
-    kwargs = dict(mask=mask, sm_scale=spec.sm_scale, stages=stages, interpret=interpret)
+    kwargs = dict(
+        mask=mask, sm_scale=spec.sm_scale, stages=stages, interpret=interpret, pingpong=pingpong
+    )
     b, hkv = k8.inv_rows.shape[:2]
     # each 128-key block's factors (repeated over 64 rows) once per 64-key tile
     inv_k, inv_v = (jnp.repeat(x.inv_rows, BLOCK // kernels.TILE, axis=2) for x in (k8, v8))

@@ -32,7 +32,11 @@ class MosaicConfig:
     ``delta_key_tile``: keys per step of the matched-delta pass, 64 or 128 (it forms no dS,
     so it is not bound to the 64 x 64 dS scale tile; P and dP^ are bitwise the same, delta
     sums them in another order). 128 is the default: 724 against 580 TFLOP/s on the H200
-    (docs/mosaic_gpu.md)."""
+    (docs/mosaic_gpu.md).
+    ``backward_pingpong``: the backward passes' two consumer warpgroups take turns on the
+    tensor cores (one's dS math under the other's dots, as in the forward); results are
+    bitwise the same. Off until the H200 has timed it (`benchmarks/mosaic_backward.py
+    --pingpong 0,1`)."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -40,6 +44,7 @@ class MosaicConfig:
     backward_stages: int = 2
     backward: Optional[triton_config.TritonConfig] = None
     delta_key_tile: int = 128
+    backward_pingpong: bool = False
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):

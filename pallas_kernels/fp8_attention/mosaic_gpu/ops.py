@@ -99,6 +99,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         fused_quantize=config.fused_quantize,
         interpret=interpret,
         delta_key_tile=config.delta_key_tile,
+        pingpong=config.backward_pingpong,
     )
 
 
