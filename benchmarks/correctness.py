@@ -93,6 +93,38 @@ def row_ratio(rowsum, abssum):
     return float(jnp.max(r)), float(jnp.median(r))
 
 
+def visible_keys(case: Case, chunk: int = 1024):
+    """[B, T] int32: how many keys each query sees (causality, segments, lengths)."""
+    ids = case.segment_ids()
+    if ids is None:
+        q_ids, kv_ids = (
+            jnp.zeros((case.b, case.t), jnp.int32),
+            jnp.zeros((case.b, case.s), jnp.int32),
+        )
+    else:
+        q_ids, kv_ids = ids
+    keys = jnp.arange(case.s)
+
+    def count(start):  # queries [start, start + chunk)
+        rows = start + jnp.arange(chunk)
+        qi = lax.dynamic_slice_in_dim(jnp.pad(q_ids, ((0, 0), (0, chunk))), start, chunk, 1)
+        seen = qi[:, :, None] == kv_ids[:, None, :]
+        if case.causal:
+            seen = seen & (keys[None, None, :] <= rows[None, :, None])
+        return jnp.sum(seen, axis=-1, dtype=jnp.int32)
+
+    starts = jnp.arange(0, case.t, chunk)
+    counts = jax.jit(lambda st: lax.map(count, st))(starts)  # [n, B, chunk]
+    return jnp.moveaxis(counts, 0, 1).reshape(case.b, -1)[:, : case.t]
+
+
+def multi_key_max(rowsum, abssum, visible):
+    """The largest |sum_j dS_ij| / sum_j |dS_ij| over rows that see two keys or more: a
+    row that sees one key has a one-element dS row, whose ratio is 1 by construction."""
+    r = jnp.abs(rowsum) / jnp.where(abssum == 0, 1.0, abssum)
+    return float(jnp.max(jnp.where(visible[:, None, :] >= 2, r, 0.0)))
+
+
 def run_case(case: Case, modes, with_reference=True, implementation="pallas", overrides=None):
     """Records (one per delta mode) for one shape; ``overrides``: launch-config fields of the
     backend to change from its defaults (e.g. the Triton FP8 accumulation mode)."""
@@ -122,6 +154,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
             static_argnums=5,
         )(q, k, v, q_ids, kv_ids, spec(modes[0]))
     records = []
+    visible = visible_keys(case)
     for mode in modes:
         t0 = time.time()
         s = spec(mode)
@@ -145,6 +178,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
             rec[f"hp_{name}"] = fro_rel(a, b)
         rec["pre_max"], rec["pre_median"] = row_ratio(g.ds_rowsum_pre, g.ds_abssum_pre)
+        rec["pre_max_multikey"] = multi_key_max(g.ds_rowsum_pre, g.ds_abssum_pre, visible)
         rec["post_max"], rec["post_median"] = row_ratio(g.ds_rowsum_post, g.ds_abssum_post)
         rec["finite"] = bool(all(jnp.all(jnp.isfinite(x)) for x in (out, g.dq, g.dk, g.dv)))
         if with_reference:
@@ -182,6 +216,7 @@ def table(records):
         "hp_dk",
         "hp_dv",
         "pre_max",
+        "pre_max_multikey",
         "pre_median",
         "post_median",
     ]

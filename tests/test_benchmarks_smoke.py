@@ -24,6 +24,7 @@ def test_correctness_script_quick(tmp_path):
     by_mode = {r["delta"]: r for r in records if r["case"] == "smoke"}
     assert set(by_mode) == {"matched", "do_matched", "stale"} and all(r["finite"] for r in records)
     assert by_mode["matched"]["pre_max"] < 1e-5
+    assert by_mode["matched"]["pre_max_multikey"] <= by_mode["matched"]["pre_max"]
     # do_matched removes dO's rounding from the residual, stale does not: the median drops
     assert (
         by_mode["matched"]["pre_median"]
@@ -31,6 +32,24 @@ def test_correctness_script_quick(tmp_path):
         < by_mode["stale"]["pre_median"]
     )
     assert max(r["ref_dq"] for r in records) < 1e-5  # kernels == emulation on the CPU
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_visible_keys_counts_what_each_query_sees(causal):
+    """The checker's count behind ``pre_max_multikey`` (rows that see two keys or more),
+    against a direct count: causality, segment borders shifted per batch row, T != S."""
+    import numpy as np
+
+    from pallas_kernels.fp8_attention.arg_specs import Case
+
+    case = Case("v", b=2, t=300, s=260, hq=2, hkv=1, dqk=64, dv=64, causal=causal, segment_len=70)
+    got = np.asarray(correctness.visible_keys(case, chunk=128))
+    q_ids, kv_ids = (np.asarray(x) for x in case.segment_ids())
+    seen = q_ids[:, :, None] == kv_ids[:, None, :]
+    if causal:
+        seen &= np.arange(case.s)[None, None, :] <= np.arange(case.t)[None, :, None]
+    np.testing.assert_array_equal(got, seen.sum(-1))
+    assert (got == 1).any() == causal  # a segment's first token sees one key when causal
 
 
 @pytest.mark.parametrize("causal", [False, True])
