@@ -87,3 +87,44 @@ def test_scanned_layers_estimate_tracks_xla_and_the_refusal_names_remat(monkeypa
     with pytest.raises(memory.InsufficientMemory) as refused:
         memory.check(dots, model_lib.build_hybrid)
     assert "--remat" not in str(refused.value)
+
+
+def test_a_scanned_run_that_fits_only_with_remat_dots_gets_it(monkeypatch):
+    """Without a --remat flag, a scanned step that does not fit rematerialises the dots
+    (and says so); a --remat the user gave is kept, and so is the refusal when even
+    --remat dots does not fit."""
+    small = ["--preset", "small", "--batch-size", "1", "--seq-len", "512", "--run-dir", "x"]
+    scanned = config_lib.parse_args(small + ["--scan-layers", "on"])
+    dots = config_lib.parse_args(small + ["--scan-layers", "on", "--remat", "dots"])
+    need_none, need_dots = (
+        memory.estimate(c, model_lib.build_hybrid).total for c in (scanned, dots)
+    )
+    between = (need_none + need_dots) / 2
+    monkeypatch.setattr(memory, "available_bytes", lambda: (between, "free on the GPU"))
+    chosen, note = memory.check_or_remat(scanned, model_lib.build_hybrid)
+    assert dict(chosen.model.overrides)["remat"] == "dots" and chosen.model_config.remat == "dots"
+    assert "--remat dots chosen" in note and "--remat none to insist" in note
+    insist = config_lib.parse_args(small + ["--scan-layers", "on", "--remat", "none"])
+    with pytest.raises(memory.InsufficientMemory, match="or add --remat dots"):
+        memory.check_or_remat(insist, model_lib.build_hybrid)
+    monkeypatch.setattr(memory, "available_bytes", lambda: (need_dots / 2, "free on the GPU"))
+    with pytest.raises(memory.InsufficientMemory, match=r"\(with --remat dots; without it: "):
+        memory.check_or_remat(scanned, model_lib.build_hybrid)
+    monkeypatch.setattr(memory, "available_bytes", lambda: (need_none * 2, "free on the GPU"))
+    kept, note = memory.check_or_remat(scanned, model_lib.build_hybrid)
+    assert kept is scanned and "chosen" not in note
+
+
+def test_the_chosen_remat_is_what_the_run_trains_and_records(tmp_path, monkeypatch):
+    args = ["--preset", "small", "--scan-layers", "on", "--steps", "1", "--batch-size", "1"]
+    args += ["--seq-len", "32", "--eval-every", "0", "--probe-every", "0", "--ckpt-every", "0"]
+    cfg = config_lib.parse_args(args + ["--run-dir", str(tmp_path / "run")])
+    dots = config_lib.parse_args(args + ["--remat", "dots", "--run-dir", "x"])
+    need_none, need_dots = (memory.estimate(c, model_lib.build_hybrid).total for c in (cfg, dots))
+    monkeypatch.setattr(
+        memory, "available_bytes", lambda: ((need_none + need_dots) / 2, "available host memory")
+    )
+    result = loop.train(cfg, progress=False)
+    assert result.status == "done"
+    saved = config_lib.RunConfig.load(str(tmp_path / "run"))
+    assert saved.model_config.remat == "dots"

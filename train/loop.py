@@ -358,7 +358,8 @@ def train(
     splits = data_lib.load_splits(cfg.data)
     train_batches, val_batches = data_lib.make_batches(cfg, splits)
     if not cfg.skip_memory_check:
-        console.note(memory_lib.check(cfg, hooks.build, mesh))
+        cfg, note = memory_lib.check_or_remat(cfg, hooks.build, mesh)
+        console.note(note)
     model, graphdef, params, rest = _model_state(cfg, hooks)
     model_vocab = getattr(getattr(model, "config", None), "vocab_size", splits.vocab_size)
     if model_vocab < splits.vocab_size:

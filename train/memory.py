@@ -224,3 +224,25 @@ def check(cfg, build: Callable, mesh=None) -> str:
         f"but only {size(have)} is {where}; lower --batch-size or --seq-len (activations grow "
         f"with both){need.remat_hint}, or pass --skip-memory-check to start anyway"
     )
+
+
+def check_or_remat(cfg, build: Callable, mesh=None):
+    """(cfg, note): :func:`check` of the run; a scanned run that did not ask for a --remat
+    policy and does not fit without one gets --remat dots when that fits (the returned cfg
+    says so, and so does the note). Raises InsufficientMemory when neither fits."""
+    try:
+        return cfg, check(cfg, build, mesh)
+    except InsufficientMemory as refusal:
+        n = mesh.size if mesh is not None else 1
+        need = estimate(cfg, build, n, gpu=jax.default_backend() == "gpu")
+        if "remat" in dict(cfg.model.overrides) or not need.remat_hint:
+            raise
+        dots = dataclasses.replace(cfg, model=cfg.model.with_overrides(remat="dots"))
+        try:
+            note = check(dots, build, mesh)
+        except InsufficientMemory as still:
+            raise InsufficientMemory(f"{still} (with --remat dots; without it: {refusal})")
+        return dots, (
+            f"{note}; --remat dots chosen: without rematerialisation the scanned step needs "
+            f"about {size(need.total)} (pass --remat none to insist)"
+        )
