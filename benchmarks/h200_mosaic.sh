@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The Mosaic GPU backend on one H200, behind docs/mosaic_gpu.md (each mode is one call of
+# under 9 minutes). A call returns at most 8 files, so each mode's outputs are tarred into
+# one: $OUT/mosaic_<mode>.tgz (unpack into docs/data/).
+#   bash benchmarks/h200_mosaic.sh check   # correctness of every delta mode (D=128 causal and
+#                                          # not, D=64 causal, GQA + segments, T=16384) and the
+#                                          # NaN pattern of implementation="pallas"
+#   bash benchmarks/h200_mosaic.sh passes  # the backward passes alone, ping-pong off and on
+#   bash benchmarks/h200_mosaic.sh step    # fwd+bwd end to end from bf16 beside cuDNN BF16
+#                                          # and FP8, causal and not
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
+MODE=${1:-}
+OUT=${OUT:-/tmp/out}
+W=/tmp/h200_mosaic/$MODE
+mkdir -p "$OUT" "$W"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+
+case "$MODE" in
+check)
+  CASES=T2000_d128_gqa_seg_causal,T4096_d128_128,T4096_d128_128_causal,T4096_d64_64_causal
+  timeout 330 python3 benchmarks/correctness.py --implementation mosaic --budget 300 \
+    --only "$CASES,T16384_d128_128_causal" --out "$W" > "$W/correctness.log" 2>&1
+  echo "correctness: exit $?"
+  grep "^|" "$W/correctness.log"
+  timeout 150 python3 benchmarks/nan_masking.py --implementations pallas --out "$W" \
+    > "$W/nan_masking.log" 2>&1
+  echo "nan_masking: exit $?"
+  tail -12 "$W/nan_masking.log"
+  ;;
+passes)
+  timeout 420 python3 benchmarks/mosaic_backward.py --stages 2 --delta-key-tiles 128 \
+    --pingpong 0,1 --causal 0,1 --out "$W" > "$W/mosaic_backward.log" 2>&1
+  echo "mosaic_backward: exit $?"
+  grep "^|" "$W/mosaic_backward.log"
+  ;;
+step)
+  timeout 420 python3 benchmarks/attention.py --causal both \
+    --arms mosaic_fp8_matched,mosaic_fp8_stale,cudnn_bf16,cudnn_fp8 --out "$W" \
+    > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  tail -20 "$W/attention.log"
+  ;;
+*)
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step" >&2
+  exit 2
+  ;;
+esac
+tar czf "$OUT/mosaic_$MODE.tgz" -C "$(dirname "$W")" "$MODE"
