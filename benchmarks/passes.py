@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from benchmarks.attention import run_timed
 from dm_jax import backends
 from pallas_kernels.fp8_attention.api import AttentionSpec
-from pallas_kernels.fp8_attention.arg_specs import BENCH_MAIN
+from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES
 from pallas_kernels.fp8_attention.tiles import default_tiles
 
 F32 = jnp.float32
@@ -62,11 +62,14 @@ def time_fn(fn, args, iters, reps):
 
 def passes(case, precision, mode, implementation="triton"):
     """name -> Pass(fn, args, matmuls counted) of a backend for one precision; ``mode``: the
-    Triton FP8 accumulation mode, or "default" (the backend's default launch config)."""
+    Triton FP8 accumulation mode, "default" (the backend's default launch config) or, for
+    the Mosaic backend, "xla_quantize" (the quantize pre-pass as XLA ops, not one kernel)."""
     q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
     backend = backends.get(implementation)
     config = backend.default_config(case.dqk, case.dv)
-    if mode != "default":
+    if mode == "xla_quantize":
+        config = dataclasses.replace(config, fused_quantize=False)
+    elif mode != "default":
         config = dataclasses.replace(config, fp8_accumulation=mode)
     spec = AttentionSpec(
         case.causal, "matched", precision, case.dqk**-0.5, default_tiles(case.dqk, case.dv)
@@ -85,7 +88,7 @@ def main(argv=None):
         "--modes",
         default="precise,promote32,fast",
         help="Triton FP8 accumulation modes to time (bf16 runs once, after them); "
-        "'default' for other backends",
+        "'default' for other backends; 'xla_quantize' for Mosaic's XLA quantize pre-pass",
     )
     p.add_argument(
         "--implementation",
@@ -93,10 +96,11 @@ def main(argv=None):
         choices=("triton", "mosaic"),
         help="the backend whose passes are timed",
     )
+    p.add_argument("--shape", default="main", choices=sorted(BENCH_SHAPES))
     p.add_argument("--smoke", action="store_true", help="tiny shape in interpret mode (CPU)")
     args = p.parse_args(argv)
     start = time.time()
-    case = dataclasses.replace(BENCH_MAIN, causal=bool(args.causal))
+    case = dataclasses.replace(BENCH_SHAPES[args.shape], causal=bool(args.causal))
     if args.smoke:
         case = case.shrunk()
     one_matmul = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if case.causal else 1.0)
@@ -130,7 +134,8 @@ def main(argv=None):
                 row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             print(json.dumps(row), flush=True)
             rows.append(row)
-    with open(os.path.join(args.out, f"passes{'_causal' if case.causal else ''}.json"), "w") as f:
+    name = f"passes{'' if args.shape == 'main' else '_' + args.shape}"
+    with open(os.path.join(args.out, f"{name}{'_causal' if case.causal else ''}.json"), "w") as f:
         json.dump(
             dict(
                 jax=jax.__version__,
