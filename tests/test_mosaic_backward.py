@@ -101,8 +101,8 @@ def _export_backward(case, **config_fields):
 TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, delta)
     (1, 256, 256, 2, 1, 64, False, "matched"),  # GQA
     (1, 300, 200, 4, 2, 64, True, "stale"),  # ragged cross lengths, causal
-    # (segment ids: checked on the GPU, benchmarks/correctness.py; the GPU interpreter of
-    # jax 0.11.2 waits forever on the kernels with segments, docs/mosaic_gpu.md)
+    # (segment ids: checked on the GPU, benchmarks/correctness.py; on a 2-core machine the
+    # GPU interpreter of jax 0.11.2 runs out of threads for them, docs/mosaic_gpu.md)
 ]
 
 
