@@ -103,3 +103,33 @@ def test_gain_bias_on_a_drift_checkpoint(drift_dir, tmp_path):
     gains = result["weight_gains"]["L3"]
     assert max(gains["g_q"] + gains["g_k"]) > 1.0  # the trained gains, not the init
     assert result["arms"]["stale"]["gains"]["corr_push_product"] is not None
+
+
+def test_gap_plot_sets_arm_gaps_against_seed_gaps(tmp_path):
+    def run(arm, seed, gains):
+        run_dir = tmp_path / f"{arm}-s{seed}"
+        run_dir.mkdir()
+        rows = [{"step": 10 * (i + 1), "L3/max_gain": g} for i, g in enumerate(gains)]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return dict(arm=arm, seed=seed, seed_index=seed, run_dir=str(run_dir), probes=[])
+
+    runs = {
+        "stale-s0": run("stale", 0, [1.0, 1.2, 1.4]),
+        "matched-s0": run("matched", 0, [1.0, 1.1, 1.2]),
+        "matched-s1": run("matched", 1, [1.0, 1.15, 1.25]),
+    }
+    assert drift_probe.plot_gaps({"stale-s0": runs["stale-s0"]}, str(tmp_path)) is None
+    path = drift_probe.plot_gaps(runs, str(tmp_path))
+    assert path.endswith("gaps.png") and os.path.getsize(path) > 0
+
+
+def test_report_reads_the_step_of_a_run_copied_without_checkpoints(drift_dir, tmp_path):
+    import shutil
+
+    out, _ = drift_dir
+    copy = str(tmp_path / "copy")
+    shutil.copytree(out, copy, ignore=shutil.ignore_patterns("checkpoints"))
+    args = drift.build_parser().parse_args(FLAGS + ["--out", copy])
+    exp = drift.Experiment(args, drift._plan(args))
+    assert exp.step("stale-s0") == 0 and exp.reported_step("stale-s0") == 4
+    assert drift.summarize(exp)["runs"]["stale-s0"]["status"] == "done"

@@ -15,7 +15,8 @@ dCE, dS residual ratio stale / matched, attention peakiness).
 Resumable: each call works for at most `--minutes` (a run stopped by the limit keeps a
 checkpoint) and the same command continues. Writes DIR/setup.json, DIR/runs/<arm>-s<seed>/
 (run dirs), DIR/probes/<arm>-s<seed>.jsonl, DIR/drift.png, DIR/residual_ratio.png and
-DIR/summary.json; `--report-only` rebuilds the last three.
+DIR/gaps.png (arm gaps against seed gaps) and DIR/summary.json; `--report-only` rebuilds
+the last four.
 """
 
 from __future__ import annotations
@@ -196,6 +197,16 @@ class Experiment:
         steps = ckpt_lib.complete_steps(os.path.join(self.runs[name]["run_dir"], "checkpoints"))
         return steps[-1] if steps else 0
 
+    def reported_step(self, name: str) -> int:
+        """step(), or where the run's metrics end when its checkpoints are not here (a run
+        copied back without them, read by --report-only)."""
+        step = self.step(name)
+        if step:
+            return step
+        path = os.path.join(self.runs[name]["run_dir"], "metrics.jsonl")
+        logged = [r.get("step", 0) for r in _read_jsonl(path)] if os.path.exists(path) else []
+        return max(logged, default=0)
+
     def probed(self, name: str) -> set[int]:
         return {r["step"] for r in _read_jsonl(self.runs[name]["probes_path"])}
 
@@ -283,11 +294,12 @@ def summarize(exp: Experiment) -> dict:
     statuses, runs = exp.statuses(), {}
     for name, run in exp.runs.items():
         probes = [p for p in _read_jsonl(run["probes_path"]) if "error" not in p]
+        step = exp.reported_step(name)
         runs[name] = dict(
             arm=run["arm"],
             seed=run["seed"],
-            status=statuses.get(name, "running" if exp.step(name) < exp.plan["steps"] else "done"),
-            step=exp.step(name),
+            status=statuses.get(name, "running" if step < exp.plan["steps"] else "done"),
+            step=step,
             last_probe={
                 k: v for k, v in (probes[-1] if probes else {}).items() if k != "residuals"
             },
@@ -330,6 +342,7 @@ def report(exp: Experiment, log=print) -> dict:
             for p in (
                 drift_probe.plot_drift(runs, exp.out),
                 drift_probe.plot_residual_ratio(runs, exp.out),
+                drift_probe.plot_gaps(runs, exp.out),
             )
             if p
         ]

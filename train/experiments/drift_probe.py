@@ -131,6 +131,62 @@ def plot_drift(runs: dict, out_dir: str) -> Optional[str]:
     return path
 
 
+GAP_PAIRS = (("stale", "matched"), ("do_matched", "matched"), ("matched", "reference"))
+
+
+def plot_gaps(runs: dict, out_dir: str) -> Optional[str]:
+    """gaps.png: is a gap between arms larger than the gap between seeds? Per logged step,
+    the worst layer's max QK-norm gain of one arm minus another's on the same seed (colour),
+    and of one arm's seed minus its first seed (grey: the noise). None without a pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {}  # (arm, seed) -> {step: worst max gain}
+    for run in runs.values():
+        steps, values = _worst_layer(read_metrics(run["run_dir"]), "max_gain")
+        series[(run["arm"], run["seed"])] = dict(zip(steps, values))
+
+    def gap(a, b):
+        common = sorted(set(a) & set(b))
+        return common, [a[s] - b[s] for s in common]
+
+    seeds = sorted({seed for _, seed in series})
+    lines = []
+    for first, second in GAP_PAIRS:
+        for (arm, seed), values in sorted(series.items()):
+            if arm == first and (second, seed) in series:
+                label = f"{first} - {second}, seed {seed}"
+                style = dict(color=ARM_COLORS.get(first), ls=SEED_STYLES[seeds.index(seed) % 4])
+                lines.append((label, style, gap(values, series[(second, seed)])))
+    noise = []
+    for arm in sorted({arm for arm, _ in series}):
+        seeds = sorted(seed for a, seed in series if a == arm)
+        for seed in seeds[1:]:
+            label = f"{arm}: seed {seed} - seed {seeds[0]}"
+            noise.append((label, gap(series[(arm, seed)], series[(arm, seeds[0])])))
+    if not lines and not noise:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for label, style, (steps, values) in lines:
+        ax.plot(steps, values, label=label, **style)
+    for n, (label, (steps, values)) in enumerate(noise):
+        ax.plot(steps, values, color="0.6", lw=0.8, ls=SEED_STYLES[n % 4], label=label)
+    ax.axhline(0.0, color="k", lw=0.5)
+    ax.set(
+        title="max QK-norm gain (worst layer): gaps between arms (same seed) and seeds (grey)",
+        xlabel="step",
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "gaps.png")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_residual_ratio(runs: dict, out_dir: str) -> Optional[str]:
     """residual_ratio.png: post-cast dS residual ratio stale / matched (mean over layers) on
     each run's own activations, against the step and against the top-1 gain share."""
