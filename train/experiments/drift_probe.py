@@ -124,8 +124,15 @@ def plot_drift(runs: dict, out_dir: str) -> Optional[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Stress test (raised QK-gain learning rate): not a production setting")
+    return _save(fig, out_dir, "drift.png")
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    """Writes the figure to out_dir/name and closes it; returns the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = os.path.join(out_dir, "drift.png")
+    path = os.path.join(out_dir, name)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -180,11 +187,7 @@ def plot_gaps(runs: dict, out_dir: str) -> Optional[str]:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "gaps.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "gaps.png")
 
 
 def plot_residual_ratio(runs: dict, out_dir: str) -> Optional[str]:
@@ -216,8 +219,4 @@ def plot_residual_ratio(runs: dict, out_dir: str) -> Optional[str]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "residual_ratio.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out_dir, "residual_ratio.png")
