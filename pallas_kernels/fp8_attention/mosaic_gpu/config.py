@@ -35,8 +35,8 @@ class MosaicConfig:
     (docs/mosaic_gpu.md).
     ``backward_pingpong``: the backward passes' two consumer warpgroups take turns on the
     tensor cores (one's dS math under the other's dots, as in the forward); results are
-    bitwise the same. Off until the H200 has timed it (`benchmarks/mosaic_backward.py
-    --pingpong 0,1`)."""
+    bitwise the same. Off: slower on the H200 in every pass, the dK/dV pass 1.9x
+    (`benchmarks/mosaic_backward.py --pingpong 0,1`, docs/mosaic_gpu.md)."""
 
     stages: int = 2
     fused_quantize: bool = True
