@@ -30,6 +30,7 @@ import dm_jax
 from benchmarks.correctness import f32_out_and_grads, fro_rel
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
+from pallas_kernels.fp8_attention.tiles import default_tiles
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, default_config
 
 F32 = jnp.float32
@@ -44,7 +45,7 @@ def arms(case: Case, implementation="pallas"):
 
     interpret = implementation.endswith("_interpret")  # the CPU smoke test
 
-    def ours(delta, precision, accumulation=None, backend=implementation, config=None):
+    def ours(delta, precision, accumulation=None, backend=implementation, config=None, tiles=None):
         if interpret and not backend.endswith("_interpret"):
             backend += "_interpret"
         if accumulation is not None:
@@ -60,6 +61,7 @@ def arms(case: Case, implementation="pallas"):
             precision=precision,
             implementation=backend,
             config=config,
+            tiles=tiles,
         )
 
     out = {
@@ -77,6 +79,17 @@ def arms(case: Case, implementation="pallas"):
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)
+        )
+        # head dims over 128 in the Mosaic backward (one launch per 128 columns), with the
+        # 64 x 64 dS tile it takes (192/128's default, 64 x 32, is the Triton backward's)
+        out[f"mosaic_fp8_{delta}_wide"] = ours(
+            delta,
+            "fp8",
+            backend="mosaic",
+            config=MosaicConfig(backward_wide_heads=True),
+            tiles=dataclasses.replace(
+                default_tiles(case.dqk, case.dv), bwd_block_q=64, bwd_block_k=64
+            ),
         )
     try:
         from dm_jax.baselines import cudnn_fp8_attention

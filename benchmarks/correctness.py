@@ -127,18 +127,19 @@ def multi_key_max(rowsum, abssum, visible):
 
 def run_case(case: Case, modes, with_reference=True, implementation="pallas", overrides=None):
     """Records (one per delta mode) for one shape; ``overrides``: launch-config fields of the
-    backend to change from its defaults (e.g. the Triton FP8 accumulation mode)."""
+    backend to change from its defaults (e.g. the Triton FP8 accumulation mode), and
+    ``tiles``: NumericsTiles other than the head dims' defaults."""
     q, k, v, do = case.arrays(seed=0)
     ids = case.segment_ids()
     q_ids, kv_ids = ids if ids is not None else (None, None)
+    overrides = dict(overrides or {})
+    tiles = overrides.pop("tiles", None) or default_tiles(case.dqk, case.dv)
 
     def spec(mode):
-        return AttentionSpec(
-            case.causal, mode, case.precision, case.dqk**-0.5, default_tiles(case.dqk, case.dv)
-        )
+        return AttentionSpec(case.causal, mode, case.precision, case.dqk**-0.5, tiles)
 
     kern, cfg = backends.resolve(implementation, q, k, v, spec(modes[0]))
-    cfg = dataclasses.replace(cfg, **(overrides or {}))
+    cfg = dataclasses.replace(cfg, **overrides)
     ref = backends.get("reference")
     ref_cfg = ref.default_config(case.dqk, case.dv)
     fwd = jax.jit(
@@ -292,6 +293,15 @@ def main(argv=None):
                     dict(fp8_accumulation=mode),
                 )
             )
+        if args.implementation.startswith("mosaic"):
+            # head dims over 128 in the Mosaic backward (MosaicConfig.backward_wide_heads),
+            # with the 64 x 64 dS tile it takes (192/128's default is Triton's 64 x 32)
+            for c in gpu_cases(4096, True, "matched", head_dims=((256, 256), (192, 128))):
+                tiles = dataclasses.replace(
+                    default_tiles(c.dqk, c.dv), bwd_block_q=64, bwd_block_k=64
+                )
+                wide = dict(backward_wide_heads=True, tiles=tiles)
+                plan.append((dataclasses.replace(c, name=c.name + "_wide"), DELTA_MODES, wide))
     only = [n for n in args.only.split(",") if n]
     if only:
         plan = [p for p in plan if p[0].name in only]

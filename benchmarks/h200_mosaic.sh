@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_mosaic.sh step    # fwd+bwd end to end from bf16 beside cuDNN BF16
 #                                          # and FP8, causal and not; D=256's passes with the
 #                                          # fused and the XLA quantize pre-pass
+#   bash benchmarks/h200_mosaic.sh wide    # head dims 256 and 192/128 in the Mosaic backward
+#                                          # (backward_wide_heads): correctness, then fwd+bwd
+#                                          # against the Triton backward and cuDNN BF16
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 MODE=${1:-}
@@ -49,8 +52,20 @@ step)
   echo "passes d256: exit $?"
   grep "^|" "$W/passes_d256.log"
   ;;
+wide)
+  timeout 300 python3 benchmarks/correctness.py --implementation mosaic --budget 240 \
+    --only T4096_d256_256_causal_wide,T4096_d192_128_causal_wide --out "$W" \
+    > "$W/correctness.log" 2>&1
+  echo "correctness: exit $?"
+  grep "^|" "$W/correctness.log"
+  timeout 240 python3 benchmarks/attention.py --shapes d256,d192_128 --causal 0 --budget 200 \
+    --arms mosaic_fp8_matched,mosaic_fp8_matched_wide,cudnn_bf16 --tag _wide --out "$W" \
+    > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  tail -8 "$W/attention.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|wide" >&2
   exit 2
   ;;
 esac

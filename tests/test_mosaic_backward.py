@@ -4,6 +4,8 @@ the emulation's. Numbers on the GPU: docs/mosaic_gpu.md."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -25,27 +27,40 @@ def _spec(causal=False, delta="matched", d=64, tiles=None):
 
 def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
     shape = (1, 256, 2, 128)
-    assert backward_ops.reason(shape, shape, jnp.bfloat16, _spec(d=128), 2) is None
+    assert backward_ops.reason(shape, shape, jnp.bfloat16, _spec(d=128)) is None
     wide = (1, 256, 2, 256)
-    assert "up to head dim 128" in backward_ops.reason(wide, wide, jnp.bfloat16, _spec(d=256), 2)
+    assert "backward_wide_heads" in backward_ops.reason(wide, wide, jnp.bfloat16, _spec(d=256))
+    reason = functools.partial(backward_ops.reason, wide_heads=True)
+    assert reason(wide, wide, jnp.bfloat16, _spec(d=256)) is None
+    assert "use bfloat16" in reason(wide, wide, jnp.float32, _spec(d=256))
     mla_q, mla_v = (1, 256, 2, 192), (1, 256, 2, 128)
-    assert "head dim" in backward_ops.reason(mla_q, mla_v, jnp.bfloat16, _spec(d=192), 2)
+    # 192/128's default dS tile (64 x 32) is the Triton backward's; with 64 x 64 it runs here
+    assert "64 x 64" in reason(mla_q, mla_v, jnp.bfloat16, _spec(d=192))
+    mla_tiles = _spec(d=192, tiles=NumericsTiles(64, 64, 64, 64))
+    assert reason(mla_q, mla_v, jnp.bfloat16, mla_tiles) is None
+    odd = (1, 256, 2, 96)
+    assert "multiples of 64" in reason(odd, odd, jnp.bfloat16, _spec(d=96))
+    narrow_q, wide_v = (1, 256, 2, 64), (1, 256, 2, 192)
+    assert "dv <= dqk" in reason(narrow_q, wide_v, jnp.bfloat16, _spec(d=64))
     other_tile = _spec(d=128, tiles=NumericsTiles(64, 128, 64, 32))
-    assert "64 x 64" in backward_ops.reason(shape, shape, jnp.bfloat16, other_tile, 2)
+    assert "64 x 64" in backward_ops.reason(shape, shape, jnp.bfloat16, other_tile)
     with pytest.raises(ValueError, match="backward_stages"):
         config.MosaicConfig(backward_stages=5)
 
 
-LOWER_CASES = [  # (b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile)
+LOWER_CASES = [  # (b, t, s, hq, hkv, d or (dqk, dv), causal, segments, delta, delta_key_tile)
     (1, 256, 256, 2, 2, 128, False, False, "matched", 64),
     (2, 300, 200, 4, 2, 64, True, True, "stale", 64),
     (1, 384, 384, 2, 1, 128, True, False, "do_matched", 64),
     (2, 300, 200, 4, 2, 128, True, True, "matched", 128),
+    # head dims over 128: a launch per 128-column chunk of dQ, dK and dV
+    (1, 256, 256, 2, 1, 256, True, False, "matched", 128),
+    (2, 300, 200, 4, 2, (192, 128), True, True, "matched", 128),
 ]
 
 
 @NEEDS_011
-@pytest.mark.parametrize("case", LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("case", LOWER_CASES, ids=lambda c: "x".join(map(str, c)).replace(" ", ""))
 def test_backward_lowers_for_cuda(case):
     _export_backward(case)
 
@@ -67,9 +82,18 @@ def _export_backward(case, **config_fields):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile = case
-    cfg = config.MosaicConfig(fused_quantize=False, delta_key_tile=delta_key_tile, **config_fields)
+    d, dv = d if isinstance(d, tuple) else (d, d)
+    cfg = config.MosaicConfig(
+        fused_quantize=False,
+        delta_key_tile=delta_key_tile,
+        backward_wide_heads=max(d, dv) > 128,
+        **config_fields,
+    )
     sds = jax.ShapeDtypeStruct
     q, k = sds((b, t, hq, d), jnp.bfloat16), sds((b, s, hkv, d), jnp.bfloat16)
+    v, out = sds((b, s, hkv, dv), jnp.bfloat16), sds((b, t, hq, dv), jnp.bfloat16)
+    # (192/128's default dS tile, 64 x 32, is the Triton backward's; the Mosaic one runs 64 x 64)
+    tiles = NumericsTiles(64, 64, 64, 64) if dv != d else None
     lse = sds((b, hq, t), jnp.float32)
     ids = [sds((b, t), jnp.int32), sds((b, s), jnp.int32)] if segments else [None, None]
 
@@ -83,18 +107,18 @@ def _export_backward(case, **config_fields):
             do,
             q_ids,
             kv_ids,
-            spec=_spec(causal, delta, d),
+            spec=_spec(causal, delta, d, tiles=tiles),
             config=cfg,
             interpret=False,
             with_stats=True,
         )
 
-    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, k, k, q, lse, q, *ids)
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, k, v, out, lse, out, *ids)
     text = exported.mlir_module()
     for name in ("query_pass", "key_pass"):
         assert f"dm_fp8_attention_{name}_mosaic" in text
     shapes = [tuple(a.shape) for a in exported.out_avals]
-    assert shapes[:4] == [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, d), (b, hq, t)]
+    assert shapes[:4] == [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, dv), (b, hq, t)]
     assert shapes[4:] == [(b, hq, t)] * 4  # the dS row statistics
 
 
@@ -253,3 +277,50 @@ def test_matched_delta_in_128_key_steps_equals_64():
             key_tile=128,
             **ops_.kwargs,
         )
+
+
+@NEEDS_011
+def test_column_chunks_equal_one_launch(monkeypatch):
+    """Head dims over 128 run one dQ and one dK/dV launch per 128 columns, each recomputing
+    S and dP^ in full. The same split at D=64 in 32-column launches (interpret mode; the
+    GPU interpreter does not finish D >= 128 on a 2-core machine): dQ, dK and dV equal the
+    one launch's, and a launch that forms dK alone (192/128's last chunk) gives the same dK."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import backward, ops
+
+    assert backward.column_chunks(256) == [(0, 128), (128, 128)]
+    assert backward.column_chunks(192) == [(0, 128), (128, 64)]
+    assert backward.column_chunks(64) == [(0, 64)]
+    b, t, hq, hkv, d = 1, 192, 2, 1, 64
+    ks = jax.random.split(jax.random.PRNGKey(9), 4)
+    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
+    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    spec = _spec(True, "matched", d)
+    cfg = config.MosaicConfig(fused_quantize=False)
+    out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+    whole = ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True)
+    operands = ops._operands(q, k, v, lse, do, None, None, spec, cfg, True)
+    tp = operands.lse2.shape[2]
+    rows = backward_ops.query_rows(operands, jnp.pad(whole.delta, ((0, 0), (0, 0), (0, tp - t))))
+    dk_alone, no_dv = backward.key_pass(
+        operands.q8.values,
+        operands.q8.values_t,
+        operands.do8.values,
+        operands.do8.values_t,
+        rows,
+        operands.k8.values,
+        operands.v8.values,
+        operands.kv_aux,
+        out_dtype=jnp.float32,
+        dv_cols=(0, 0),
+        **operands.kwargs,
+    )
+    assert no_dv is None
+    assert bool(jnp.all(dk_alone[:, :t] == whole.dk)), "dK without dV"
+    monkeypatch.setattr(backward, "MAX_COLUMNS", 32)
+    assert backward.column_chunks(d) == [(0, 32), (32, 32)]
+    halves = ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True)
+    assert float(jnp.max(jnp.abs(whole.dk))) > 0
+    for name in ("dq", "dk", "dv", "delta"):
+        a, r = getattr(halves, name), getattr(whole, name)
+        assert a.shape == r.shape, name
+        assert float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r))) < 1e-6, name

@@ -59,7 +59,10 @@ CTA_TOKENS = WARPGROUPS * TILE
 F32 = jnp.float32
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
-MAX_HEAD_DIM = 128  # dK and dV accumulators of a 64-key warpgroup fill its registers
+MAX_HEAD_DIM = 256
+# accumulator columns of one launch: dK and dV of a 64-key warpgroup, 128 columns each,
+# fill its registers; wider heads run one launch per column chunk (:func:`column_chunks`)
+MAX_COLUMNS = 128
 REDUCTION_SCRATCH = 128  # f32 per warpgroup for the cross-warp max of a dS tile
 ROWS = 5  # per-query rows of q_rows: lse2, delta, inv_q, inv_do, poison
 
@@ -260,6 +263,7 @@ def query_pass(
     interpret: bool = False,
     key_tile: int = TILE,
     pingpong: bool = False,
+    dq_cols=None,
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -274,8 +278,10 @@ def query_pass(
       key_tile: keys per step, 64 (the dS scale tile: the only choice for dQ) or 128
         (``want="delta"``, which forms no dS: one K and one V scale block per step).
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
+      dq_cols: (first, count): the columns of dQ this launch forms (default all, at most
+        MAX_COLUMNS); S and dP^ always contract the whole head dims.
     Returns:
-      ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, Dqk] in
+      ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, count] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
       sum_j dS_ij and sum_j |dS_ij| before the cast of dS, then after it (decoded).
     """
@@ -290,6 +296,11 @@ def query_pass(
             f"key_tile must be {TILE}, or {BLOCK} for want='delta' (S padded to {BLOCK}); "
             f"got {key_tile} for want={want!r}, S={sp}"
         )
+    (dq0, cq) = dq_cols or (0, dqk)
+    if want_dq and not 0 < cq <= MAX_COLUMNS:
+        raise ValueError(f"dq_cols: 1-{MAX_COLUMNS} columns, got {cq}")
+    cq = cq if want_dq else 0
+    stages = fitting(stages, lambda n: query_pass_smem(n, dqk, dv, cq, key_tile, out_dtype))
     group = hq // hkv
     n_k = sp // key_tile
     if key_tile != TILE:  # each step's decode factors and poison as rows of key_tile
@@ -383,7 +394,7 @@ def query_pass(
                 plgpu.barrier_wait(kt_bars.at[slot])
                 turns.wait()
                 a_smem = a_smem2.at[wg] if interpret else None
-                part = _register_dot(a8, kt_smem.at[slot].T, (TILE, dqk), interpret, a_smem)
+                part = _register_dot(a8, kt_smem.at[slot].T, (TILE, cq), interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 shape = part.shape
                 dq = carry[0] + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_k, shape))
@@ -395,7 +406,7 @@ def query_pass(
 
             row_zeros = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROW)
             if want_dq:
-                init = (plgpu.layout_cast(jnp.zeros((TILE, dqk), F32), plgpu.Layout.WGMMA),)
+                init = (plgpu.layout_cast(jnp.zeros((TILE, cq), F32), plgpu.Layout.WGMMA),)
                 init += (row_zeros,) * (4 * with_stats)
             else:
                 init = row_zeros
@@ -440,7 +451,7 @@ def query_pass(
                     (kvinv_ref.at[at + (j,)], kvinv_smem, aux_bars),
                 ]
                 if want_dq:
-                    copies.append((kt_ref.at[at + (slice(None), keys)], kt_smem, kt_bars))
+                    copies.append((kt_ref.at[at + (pl.ds(dq0, cq), keys)], kt_smem, kt_bars))
                 if mask.segments:
                     copies.append((kvseg_ref.at[batch, keys], kseg_smem, seg_bars))
                 _copy_to_slot(copies, slot)
@@ -448,13 +459,13 @@ def query_pass(
             _stream(load, free, cta_steps, stages)
 
     fp8 = jnp.float8_e4m3fn
-    out_shape = (b, tp, hq, dqk) if want_dq else (b, hq, tp)
+    out_shape = (b, tp, hq, cq) if want_dq else (b, hq, tp)
     out_dtype = out_dtype if want_dq else F32
 
     def dm_fp8_attention_query_pass_mosaic(*refs):  # the kernel's name in profiles
         if want_dq:
             out_smem = plgpu.SMEM(
-                (WARPGROUPS, TILE, dqk), out_dtype, transforms=out_transforms(out_dtype)
+                (WARPGROUPS, TILE, cq), out_dtype, transforms=out_transforms(out_dtype)
             )
         else:
             out_smem = plgpu.SMEM((WARPGROUPS, TILE), F32)
@@ -469,7 +480,7 @@ def query_pass(
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
             plgpu.SMEM((stages, key_tile, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((stages, key_tile, dv), fp8, transforms=fp8_transforms(dv)),
-            plgpu.SMEM((stages, dqk, TILE), fp8, transforms=fp8_transforms(TILE))
+            plgpu.SMEM((stages, cq, TILE), fp8, transforms=fp8_transforms(TILE))
             if want_dq
             else None,
             plgpu.SMEM((stages, 3, key_tile), F32),
@@ -520,6 +531,8 @@ def key_pass(
     out_dtype=jnp.float32,
     interpret: bool = False,
     pingpong: bool = False,
+    dk_cols=None,
+    dv_cols=None,
 ):
     """dK and dV, summed over each kv head's query heads.
 
@@ -531,11 +544,22 @@ def key_pass(
         as in :func:`query_pass`.
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
+      dk_cols, dv_cols: (first, count): the columns of dK and of dV this launch forms
+        (default all; a count of 0 for dV forms dK alone). S^T and dP^T always contract
+        the whole head dims; each column's sums are those of a launch with every column.
     Returns:
-      dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv] in ``out_dtype`` (the public layout).
+      dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
+      layout); dV is None for a count of 0.
     """
     b, hq, tp, dqk = q8.shape
     hkv, sp, dv = k8.shape[1], k8.shape[2], v8.shape[3]
+    (dk0, ck), (dv0, cv) = dk_cols or (0, dqk), dv_cols or (0, dv)
+    if not (0 < ck <= MAX_COLUMNS and 0 <= cv <= MAX_COLUMNS):
+        raise ValueError(
+            f"dk_cols / dv_cols: 1-{MAX_COLUMNS} and 0-{MAX_COLUMNS} columns, got {ck}, {cv}"
+        )
+    want_dv = cv > 0
+    stages = key_pass_stages(stages, dqk, dv, ck, cv, out_dtype)
     group = hq // hkv
     n_q = tp // TILE
     every_tile = mask.segments or _padded(mask, tp, sp)
@@ -543,10 +567,11 @@ def key_pass(
     to_operand = regroup.operand_fn(interpret)
 
     def kernel(q_ref, qt_ref, do_ref, dot_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
-        if mask.segments:
-            qseg_ref, kvseg_ref, dk_ref, dv_ref, scratch = rest
-        else:
-            (dk_ref, dv_ref, scratch), qseg_ref, kvseg_ref = rest, None, None
+        rest = list(rest)
+        qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
+        dk_ref = rest.pop(0)
+        dv_ref = rest.pop(0) if want_dv else None
+        (scratch,) = rest
         smem, bars = scratch
         k_smem2, v_smem2, kvinv_smem, kseg_smem2, dk_smem2, dv_smem2, a_smem2 = smem[:7]
         red_smem2 = smem[7]
@@ -617,17 +642,18 @@ def key_pass(
                 dpt = dpt * _rows(inv_do * inv_v, dpt.shape)
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
                 ds8, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
-                p8 = numerics.cast_probabilities(pt, "fp8")
-                p8, ds8, amax, dk, dv_acc = turns.arrive(
-                    (to_operand(p8), to_operand(ds8), amax, dk, dv_acc)
-                )
+                p8 = to_operand(numerics.cast_probabilities(pt, "fp8")) if want_dv else None
+                p8, ds8, amax, dk, dv_acc = turns.arrive((p8, to_operand(ds8), amax, dk, dv_acc))
                 a_smem = a_smem2.at[wg] if interpret else None
-                plgpu.barrier_wait(dot_bars.at[slot])
+                if want_dv:
+                    plgpu.barrier_wait(dot_bars.at[slot])
                 turns.wait()
-                part = _register_dot(p8, dot_smem.at[slot].T, (TILE, dv), interpret, a_smem)
-                dv_acc = dv_acc + part * _rows(inv_do * (1.0 / numerics.P_SCALE), part.shape)
+                if want_dv:
+                    part = _register_dot(p8, dot_smem.at[slot].T, (TILE, cv), interpret, a_smem)
+                    scale = _rows(inv_do * (1.0 / numerics.P_SCALE), part.shape)
+                    dv_acc = dv_acc + part * scale
                 plgpu.barrier_wait(qt_bars.at[slot])
-                part = _register_dot(ds8, qt_smem.at[slot].T, (TILE, dqk), interpret, a_smem)
+                part = _register_dot(ds8, qt_smem.at[slot].T, (TILE, ck), interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 shape = part.shape
                 return dk + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_q, shape)), dv_acc
@@ -649,14 +675,16 @@ def key_pass(
 
             zeros = lambda d: plgpu.layout_cast(jnp.zeros((TILE, d), F32), plgpu.Layout.WGMMA)  # noqa: E731
             turns.start()
-            dk, dv_acc = lax.fori_loop(0, group, head_steps, (zeros(dqk), zeros(dv)))
+            init = (zeros(ck), zeros(cv) if want_dv else None)
+            dk, dv_acc = lax.fori_loop(0, group, head_steps, init)
             turns.finish()
-            dk_smem, dv_smem = dk_smem2.at[wg], dv_smem2.at[wg]
-            dk_smem[...] = dk.astype(out_dtype)
-            dv_smem[...] = dv_acc.astype(out_dtype)
+            dk_smem2.at[wg][...] = dk.astype(out_dtype)
+            if want_dv:
+                dv_smem2.at[wg][...] = dv_acc.astype(out_dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[batch, keys, kv_head])
-            plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[batch, keys, kv_head])
+            plgpu.copy_smem_to_gmem(dk_smem2.at[wg], dk_ref.at[batch, keys, kv_head])
+            if want_dv:
+                plgpu.copy_smem_to_gmem(dv_smem2.at[wg], dv_ref.at[batch, keys, kv_head])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == WARPGROUPS)
@@ -671,9 +699,10 @@ def key_pass(
                     (q_ref.at[at + (rows,)], q_smem, q_bars),
                     (do_ref.at[at + (rows,)], do_smem, do_bars),
                     (rows_ref.at[at + (i,)], rows_smem, rows_bars),
-                    (dot_ref.at[at + (slice(None), rows)], dot_smem, dot_bars),
-                    (qt_ref.at[at + (slice(None), rows)], qt_smem, qt_bars),
                 ]
+                if want_dv:
+                    copies.append((dot_ref.at[at + (pl.ds(dv0, cv), rows)], dot_smem, dot_bars))
+                copies.append((qt_ref.at[at + (pl.ds(dk0, ck), rows)], qt_smem, qt_bars))
                 if mask.segments:
                     copies.append((qseg_ref.at[batch, rows], qseg_smem, seg_bars))
                 _copy_to_slot(copies, slot)
@@ -689,14 +718,18 @@ def key_pass(
             plgpu.SMEM((WARPGROUPS, TILE, dv), fp8, transforms=fp8_transforms(dv)),
             plgpu.SMEM((WARPGROUPS, 3, TILE), F32),
             plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if segs else None,
-            plgpu.SMEM((WARPGROUPS, TILE, dqk), out_dtype, transforms=out_transforms(out_dtype)),
-            plgpu.SMEM((WARPGROUPS, TILE, dv), out_dtype, transforms=out_transforms(out_dtype)),
+            plgpu.SMEM((WARPGROUPS, TILE, ck), out_dtype, transforms=out_transforms(out_dtype)),
+            plgpu.SMEM((WARPGROUPS, TILE, cv), out_dtype, transforms=out_transforms(out_dtype))
+            if want_dv
+            else None,
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
             plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
-            plgpu.SMEM((stages, dqk, TILE), fp8, transforms=fp8_transforms(TILE)),
+            plgpu.SMEM((stages, ck, TILE), fp8, transforms=fp8_transforms(TILE)),
             plgpu.SMEM((stages, TILE, dv), fp8, transforms=fp8_transforms(dv)),
-            plgpu.SMEM((stages, dv, TILE), fp8, transforms=fp8_transforms(TILE)),
+            plgpu.SMEM((stages, cv, TILE), fp8, transforms=fp8_transforms(TILE))
+            if want_dv
+            else None,
             plgpu.SMEM((stages, ROWS, TILE), F32),
             plgpu.SMEM((stages, TILE), jnp.int32) if segs else None,
         )
@@ -717,22 +750,71 @@ def key_pass(
     args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_aux]
     if segs:
         args += [q_seg, kv_seg]
-    out_type = [
-        jax.ShapeDtypeStruct((b, sp, hkv, dqk), out_dtype),
-        jax.ShapeDtypeStruct((b, sp, hkv, dv), out_dtype),
-    ]
+    out_type = [jax.ShapeDtypeStruct((b, sp, hkv, ck), out_dtype)]
+    out_type += [jax.ShapeDtypeStruct((b, sp, hkv, cv), out_dtype)] * want_dv
     grid, grid_names = (hkv, sp // CTA_TOKENS, b), ("heads", "k_seq", "batch")
-    return warp_specialized_call(
+    outs = warp_specialized_call(
         dm_fp8_attention_key_pass_mosaic, out_type, grid, grid_names, interpret
     )(*args)
+    return outs[0], (outs[1] if want_dv else None)
 
 
-def smem_fits(dqk: int, dv: int, stages: int, out_dtype) -> bool:
-    """Whether the key pass (the larger of the two) fits shared memory with ``stages``."""
+def column_chunks(d: int) -> list[tuple[int, int]]:
+    """(first, count) of each launch's accumulator columns for head dim ``d``: one chunk
+    up to MAX_COLUMNS, else chunks of MAX_COLUMNS and the rest (256: two of 128; 192: 128
+    and 64)."""
+    return [(lo, min(MAX_COLUMNS, d - lo)) for lo in range(0, d, MAX_COLUMNS)]
+
+
+def key_pass_smem(stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype) -> int:
+    """Shared memory of a key-pass CTA forming ck columns of dK and cv of dV: K, V and the
+    output tiles per consumer warpgroup, Q, Q^T's ck rows, dO, dO^T's cv rows per stage."""
     out = jnp.dtype(out_dtype).itemsize
-    per_wg = TILE * (dqk + dv) * (1 + out) + 3 * TILE * 4 + TILE * TILE + REDUCTION_SCRATCH * 4
-    per_stage = 2 * TILE * (dqk + dv) + ROWS * TILE * 4 + TILE * 4
-    return WARPGROUPS * per_wg + stages * per_stage + 4096 <= SMEM_BYTES
+    per_wg = TILE * (dqk + dv) + TILE * (ck + cv) * out + 3 * TILE * 4 + TILE * TILE
+    per_wg += REDUCTION_SCRATCH * 4
+    per_stage = TILE * (dqk + dv) + (ck + cv) * TILE + ROWS * TILE * 4 + TILE * 4
+    return WARPGROUPS * per_wg + stages * per_stage + 4096
 
 
-__all__ = ["BLOCK", "MAX_HEAD_DIM", "TILE", "key_pass", "query_pass", "smem_fits"]
+def query_pass_smem(stages: int, dqk: int, dv: int, cq: int, key_tile: int, out_dtype) -> int:
+    """Shared memory of a query-pass CTA (cq columns of dQ; 0 for the delta pass): Q, dO,
+    the row data and the output tile per consumer warpgroup, K, V, K^T's cq rows per stage."""
+    out = jnp.dtype(out_dtype).itemsize
+    per_wg = TILE * (dqk + dv) + ROWS * TILE * 4 + TILE * max(cq * out, 4) + 4 * TILE * 4
+    per_wg += TILE * TILE + REDUCTION_SCRATCH * 4
+    per_stage = key_tile * (dqk + dv) + cq * TILE + 3 * key_tile * 4 + key_tile * 4
+    return WARPGROUPS * per_wg + stages * per_stage + 4096
+
+
+def fitting(stages: int, smem) -> int:
+    """The most stages <= ``stages`` for which ``smem(stages)`` fits, at least 1."""
+    while stages > 1 and smem(stages) > SMEM_BYTES:
+        stages -= 1
+    return stages
+
+
+def key_pass_stages(stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype) -> int:
+    return fitting(stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype))
+
+
+def smem_fits(dqk: int, dv: int, out_dtype) -> bool:
+    """Whether every pass fits shared memory with one stage at least (each pass runs the
+    most stages up to the config's that fit)."""
+    dk_chunks, dv_chunks = column_chunks(dqk), column_chunks(dv)
+    launches = list(zip(dk_chunks, dv_chunks + [(0, 0)] * len(dk_chunks)))
+    key = max(key_pass_smem(1, dqk, dv, ck, cv, out_dtype) for (_, ck), (_, cv) in launches)
+    query = max(query_pass_smem(1, dqk, dv, cq, TILE, out_dtype) for _, cq in column_chunks(dqk))
+    delta = query_pass_smem(1, dqk, dv, 0, BLOCK, out_dtype)
+    return max(key, query, delta) <= SMEM_BYTES
+
+
+__all__ = [
+    "BLOCK",
+    "MAX_COLUMNS",
+    "MAX_HEAD_DIM",
+    "TILE",
+    "column_chunks",
+    "key_pass",
+    "query_pass",
+    "smem_fits",
+]

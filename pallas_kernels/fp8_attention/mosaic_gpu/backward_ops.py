@@ -1,7 +1,9 @@
 """The Mosaic GPU backward from the public layout: quantize, delta, dQ, dK/dV, unpad.
 
-Runs where :func:`reason` returns None (head dims up to 128, the 64 x 64 dS scale tile);
-``ops.py`` sends every other call to the Triton passes.
+Runs where :func:`reason` returns None (head dims up to 256, the 64 x 64 dS scale tile);
+``ops.py`` sends every other call to the Triton passes. Head dims over 128 run the dQ and
+the dK/dV passes once per chunk of at most 128 accumulator columns
+(:func:`.backward.column_chunks`), each launch recomputing S and dP^ in full.
 """
 
 from __future__ import annotations
@@ -25,18 +27,29 @@ from pallas_kernels.fp8_attention.triton import delta as delta_kernels
 from pallas_kernels.fp8_attention.triton.quantize import QuantizedTensor
 
 
-def reason(q_shape, v_shape, dtype, spec: AttentionSpec, stages: int) -> Optional[str]:
-    """None if the Mosaic GPU backward kernels run this call, else why not."""
+def reason(q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=False) -> Optional[str]:
+    """None if the Mosaic GPU backward kernels run this call, else why not. Head dims over
+    128 run only with ``wide_heads`` (``MosaicConfig.backward_wide_heads``)."""
     dqk, dv = q_shape[-1], v_shape[-1]
-    if max(dqk, dv) > kernels.MAX_HEAD_DIM:
+    if max(dqk, dv) > kernels.MAX_COLUMNS and not wide_heads:
         return (
-            f"head dims ({dqk}, {dv}): the Mosaic backward holds dK and dV of 64 keys in "
-            f"registers, up to head dim {kernels.MAX_HEAD_DIM}"
+            f"head dims ({dqk}, {dv}): over {kernels.MAX_COLUMNS} the Mosaic backward runs "
+            "only with MosaicConfig(backward_wide_heads=True) (not yet timed on the GPU)"
         )
+    if max(dqk, dv) > kernels.MAX_HEAD_DIM or dqk % 64 or dv % 64:
+        return (
+            f"head dims ({dqk}, {dv}): the Mosaic backward takes multiples of 64 up to "
+            f"{kernels.MAX_HEAD_DIM}"
+        )
+    if len(kernels.column_chunks(dv)) > len(kernels.column_chunks(dqk)):
+        return f"head dims ({dqk}, {dv}): the Mosaic backward needs dv <= dqk above 128"
     if spec.tiles.ds_tile != (kernels.TILE, kernels.TILE):
         return f"dS scale tile {spec.tiles.ds_tile}: the Mosaic backward's is 64 x 64"
-    if not kernels.smem_fits(dqk, dv, stages, dtype):
-        return f"{stages} backward stages at head dims ({dqk}, {dv}) do not fit shared memory"
+    if not kernels.smem_fits(dqk, dv, kernel_dtype(dtype)):
+        return (
+            f"head dims ({dqk}, {dv}) with {jnp.dtype(kernel_dtype(dtype)).name} gradients "
+            "do not fit shared memory in one backward stage; use bfloat16 inputs"
+        )
     return None
 
 
@@ -128,30 +141,52 @@ def delta(ops: Operands, do, out, mode: str):
     return delta_kernels.row_dot_delta(mode, do, out, do8, ops.lse2.shape[2])
 
 
+def _concat(parts):
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+
+
 def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq", "dkdv")):
     """(dQ [B, Tp, Hq, Dqk], dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv], stats), padded;
     stats: the dS row statistics [B, Hq, 4, Tp] with ``with_stats``, else None. A pass
-    left out of ``passes`` gives None (the benchmarks time each pass on its own)."""
+    left out of ``passes`` gives None (the benchmarks time each pass on its own). Head
+    dims over 128: one launch per column chunk, concatenated."""
     rows = query_rows(ops, delta_p)
     q_dtype, kv_dtype = out_dtypes
+    dqk, dv_dim = ops.q8.values.shape[-1], ops.v8.values.shape[-1]
     dq = stats = dk = dv = None
     if "dq" in passes:
-        dq = _query_pass(ops, rows, want="dq", out_dtype=q_dtype, with_stats=with_stats)
-        dq, stats = dq if with_stats else (dq, None)
+        parts = []
+        for n, cols in enumerate(kernels.column_chunks(dqk)):
+            stats_here = with_stats and n == 0  # every chunk forms the same dS
+            part = _query_pass(
+                ops, rows, want="dq", out_dtype=q_dtype, with_stats=stats_here, dq_cols=cols
+            )
+            part, stats = part if stats_here else (part, stats)
+            parts.append(part)
+        dq = _concat(parts)
     if "dkdv" in passes:
-        dk, dv = kernels.key_pass(
-            ops.q8.values,
-            ops.q8.values_t,
-            ops.do8.values,
-            ops.do8.values_t,
-            rows,
-            ops.k8.values,
-            ops.v8.values,
-            ops.kv_aux,
-            *ops.segments,
-            out_dtype=kv_dtype,
-            **ops.kwargs,
-        )
+        dk_parts, dv_parts = [], []
+        dv_chunks = kernels.column_chunks(dv_dim)
+        for n, dk_cols in enumerate(kernels.column_chunks(dqk)):
+            dv_cols = dv_chunks[n] if n < len(dv_chunks) else (0, 0)
+            dk_part, dv_part = kernels.key_pass(
+                ops.q8.values,
+                ops.q8.values_t,
+                ops.do8.values,
+                ops.do8.values_t,
+                rows,
+                ops.k8.values,
+                ops.v8.values,
+                ops.kv_aux,
+                *ops.segments,
+                out_dtype=kv_dtype,
+                dk_cols=dk_cols,
+                dv_cols=dv_cols,
+                **ops.kwargs,
+            )
+            dk_parts.append(dk_part)
+            dv_parts += [dv_part] if dv_part is not None else []
+        dk, dv = _concat(dk_parts), _concat(dv_parts)
     return dq, dk, dv, stats
 
 

@@ -25,10 +25,15 @@ class MosaicConfig:
     whether the quantize pre-pass runs as one Pallas kernel (head dims that are powers of
     two) or as XLA ops (bitwise the same operands).
 
-    The backward runs in this backend's kernels (``mosaic_backward``, with
-    ``backward_stages`` tile stages) where they support the call (head dims up to 128, a
-    64 x 64 dS scale tile), else in the Triton passes with the
-    ``backward`` launch settings (None: Triton's default for the head dims).
+    The backward runs in this backend's kernels (``mosaic_backward``, with up to
+    ``backward_stages`` tile stages, fewer where shared memory is short) where they support
+    the call (head dims up to 128, or up to 256 with ``backward_wide_heads``; a 64 x 64 dS
+    scale tile), else in the Triton passes with the ``backward`` launch settings (None:
+    Triton's default for the head dims).
+    ``backward_wide_heads``: head dims over 128 (256, 192/128 with a 64 x 64 dS tile) in
+    this backend's backward, one dQ and one dK/dV launch per 128 columns, each recomputing S
+    and dP^ (lowers for CUDA; the split checked in interpret mode at D=64). Off until the
+    H200 has run and timed it; the Triton passes serve those head dims meanwhile.
     ``delta_key_tile``: keys per step of the matched-delta pass, 64 or 128 (it forms no dS,
     so it is not bound to the 64 x 64 dS scale tile; P and dP^ are bitwise the same, delta
     sums them in another order). 128 is the default: 724 against 580 TFLOP/s on the H200
@@ -45,6 +50,7 @@ class MosaicConfig:
     backward: Optional[triton_config.TritonConfig] = None
     delta_key_tile: int = 128
     backward_pingpong: bool = False
+    backward_wide_heads: bool = False
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):

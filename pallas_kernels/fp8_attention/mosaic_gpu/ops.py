@@ -82,7 +82,8 @@ def _mosaic_backward(q, v, spec, config: MosaicConfig) -> bool:
     """Whether this backend's backward kernels run the call."""
     if not config.mosaic_backward:
         return False
-    return backward_ops.reason(q.shape, v.shape, q.dtype, spec, config.backward_stages) is None
+    wide = config.backward_wide_heads
+    return backward_ops.reason(q.shape, v.shape, q.dtype, spec, wide_heads=wide) is None
 
 
 def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, interpret):
