@@ -29,8 +29,7 @@ import jax.numpy as jnp
 import dm_jax
 from benchmarks.correctness import f32_out_and_grads, fro_rel
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
-from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
-from pallas_kernels.fp8_attention.tiles import default_tiles
+from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig, backward_tiles
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, default_config
 
 F32 = jnp.float32
@@ -80,16 +79,13 @@ def arms(case: Case, implementation="pallas"):
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)
         )
-        # head dims over 128 in the Mosaic backward (one launch per 128 columns), with the
-        # 64 x 64 dS tile it takes (192/128's default, 64 x 32, is the Triton backward's)
+        # head dims over 128 in the Mosaic backward (one launch per 128 columns)
         out[f"mosaic_fp8_{delta}_wide"] = ours(
             delta,
             "fp8",
             backend="mosaic",
             config=MosaicConfig(backward_wide_heads=True),
-            tiles=dataclasses.replace(
-                default_tiles(case.dqk, case.dv), bwd_block_q=64, bwd_block_k=64
-            ),
+            tiles=backward_tiles(case.dqk, case.dv),
         )
     try:
         from dm_jax.baselines import cudnn_fp8_attention

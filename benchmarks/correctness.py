@@ -28,6 +28,7 @@ from dm_jax import backends, reference
 from dm_jax.numerics import DELTA_MODES
 from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.arg_specs import Case, gpu_cases
+from pallas_kernels.fp8_attention.mosaic_gpu.config import backward_tiles
 from pallas_kernels.fp8_attention.tiles import default_tiles
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES
 
@@ -294,13 +295,9 @@ def main(argv=None):
                 )
             )
         if args.implementation.startswith("mosaic"):
-            # head dims over 128 in the Mosaic backward (MosaicConfig.backward_wide_heads),
-            # with the 64 x 64 dS tile it takes (192/128's default is Triton's 64 x 32)
+            # head dims over 128 in the Mosaic backward (MosaicConfig.backward_wide_heads)
             for c in gpu_cases(4096, True, "matched", head_dims=((256, 256), (192, 128))):
-                tiles = dataclasses.replace(
-                    default_tiles(c.dqk, c.dv), bwd_block_q=64, bwd_block_k=64
-                )
-                wide = dict(backward_wide_heads=True, tiles=tiles)
+                wide = dict(backward_wide_heads=True, tiles=backward_tiles(c.dqk, c.dv))
                 plan.append((dataclasses.replace(c, name=c.name + "_wide"), DELTA_MODES, wide))
     only = [n for n in args.only.split(",") if n]
     if only:

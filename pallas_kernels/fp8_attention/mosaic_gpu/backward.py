@@ -48,6 +48,7 @@ from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
     SMEM_BYTES,
     WARPGROUPS,
     ForwardMask,
+    fitting,
     fp8_transforms,
     out_transforms,
     warp_specialized_call,
@@ -559,7 +560,7 @@ def key_pass(
             f"dk_cols / dv_cols: 1-{MAX_COLUMNS} and 0-{MAX_COLUMNS} columns, got {ck}, {cv}"
         )
     want_dv = cv > 0
-    stages = key_pass_stages(stages, dqk, dv, ck, cv, out_dtype)
+    stages = fitting(stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype))
     group = hq // hkv
     n_q = tp // TILE
     every_tile = mask.segments or _padded(mask, tp, sp)
@@ -766,6 +767,15 @@ def column_chunks(d: int) -> list[tuple[int, int]]:
     return [(lo, min(MAX_COLUMNS, d - lo)) for lo in range(0, d, MAX_COLUMNS)]
 
 
+def key_pass_launches(dqk: int, dv: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(dk_cols, dv_cols) of each key-pass launch: the n-th dK chunk with the n-th dV chunk,
+    or with (0, 0) (dK alone) once dV's chunks are used up (192/128's second launch).
+    Needs no more dV chunks than dK chunks (``backward_ops.reason`` checks)."""
+    dv_chunks = column_chunks(dv)
+    dk_chunks = column_chunks(dqk)
+    return list(zip(dk_chunks, dv_chunks + [(0, 0)] * (len(dk_chunks) - len(dv_chunks))))
+
+
 def key_pass_smem(stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype) -> int:
     """Shared memory of a key-pass CTA forming ck columns of dK and cv of dV: K, V and the
     output tiles per consumer warpgroup, Q, Q^T's ck rows, dO, dO^T's cv rows per stage."""
@@ -786,22 +796,10 @@ def query_pass_smem(stages: int, dqk: int, dv: int, cq: int, key_tile: int, out_
     return WARPGROUPS * per_wg + stages * per_stage + 4096
 
 
-def fitting(stages: int, smem) -> int:
-    """The most stages <= ``stages`` for which ``smem(stages)`` fits, at least 1."""
-    while stages > 1 and smem(stages) > SMEM_BYTES:
-        stages -= 1
-    return stages
-
-
-def key_pass_stages(stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype) -> int:
-    return fitting(stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype))
-
-
 def smem_fits(dqk: int, dv: int, out_dtype) -> bool:
     """Whether every pass fits shared memory with one stage at least (each pass runs the
     most stages up to the config's that fit)."""
-    dk_chunks, dv_chunks = column_chunks(dqk), column_chunks(dv)
-    launches = list(zip(dk_chunks, dv_chunks + [(0, 0)] * len(dk_chunks)))
+    launches = key_pass_launches(dqk, dv)
     key = max(key_pass_smem(1, dqk, dv, ck, cv, out_dtype) for (_, ck), (_, cv) in launches)
     query = max(query_pass_smem(1, dqk, dv, cq, TILE, out_dtype) for _, cq in column_chunks(dqk))
     delta = query_pass_smem(1, dqk, dv, 0, BLOCK, out_dtype)
@@ -815,6 +813,7 @@ __all__ = [
     "TILE",
     "column_chunks",
     "key_pass",
+    "key_pass_launches",
     "query_pass",
     "smem_fits",
 ]

@@ -166,9 +166,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
         dq = _concat(parts)
     if "dkdv" in passes:
         dk_parts, dv_parts = [], []
-        dv_chunks = kernels.column_chunks(dv_dim)
-        for n, dk_cols in enumerate(kernels.column_chunks(dqk)):
-            dv_cols = dv_chunks[n] if n < len(dv_chunks) else (0, 0)
+        for dk_cols, dv_cols in kernels.key_pass_launches(dqk, dv_dim):
             dk_part, dv_part = kernels.key_pass(
                 ops.q8.values,
                 ops.q8.values_t,

@@ -13,6 +13,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
+from pallas_kernels.fp8_attention.tiles import NumericsTiles, default_tiles
 from pallas_kernels.fp8_attention.triton import config as triton_config
 
 TESTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
@@ -63,6 +64,14 @@ class MosaicConfig:
         if self.backward is not None:
             return self.backward
         return triton_config.default_config(head_dim_qk, head_dim_v)
+
+
+def backward_tiles(head_dim_qk: int, head_dim_v: int) -> NumericsTiles:
+    """The head dims' default tiles with the 64 x 64 dS scale tile this backend's backward
+    takes (192/128's default, 64 x 32, was chosen for the Triton backward's speed)."""
+    return dataclasses.replace(
+        default_tiles(head_dim_qk, head_dim_v), bwd_block_q=64, bwd_block_k=64
+    )
 
 
 def default_config(head_dim_qk: int, head_dim_v: int) -> MosaicConfig:

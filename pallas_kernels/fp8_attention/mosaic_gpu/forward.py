@@ -94,12 +94,16 @@ def smem_bytes(stages: int, dqk: int, dv: int, out_dtype) -> int:
     return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
 
 
-def fitting_stages(stages: int, n_k: int, dqk: int, dv: int, out_dtype) -> int:
-    """The most K/V stages <= ``stages`` (and <= the key tiles) that fit in shared memory."""
-    stages = max(1, min(stages, n_k))
-    while stages > 1 and smem_bytes(stages, dqk, dv, out_dtype) > SMEM_BYTES:
+def fitting(stages: int, smem) -> int:
+    """The most stages <= ``stages`` for which ``smem(stages)`` bytes fit, at least 1."""
+    while stages > 1 and smem(stages) > SMEM_BYTES:
         stages -= 1
     return stages
+
+
+def fitting_stages(stages: int, n_k: int, dqk: int, dv: int, out_dtype) -> int:
+    """The most K/V stages <= ``stages`` (and <= the key tiles) that fit in shared memory."""
+    return fitting(max(1, min(stages, n_k)), lambda n: smem_bytes(n, dqk, dv, out_dtype))
 
 
 def forward(
