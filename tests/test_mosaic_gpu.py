@@ -206,3 +206,48 @@ def test_interpret_twin_matches_the_emulation(case):
     # ragged case by 1e-3: Frobenius 5e-5); a wrong mask or scale is 1e-2 or more
     assert fro(out, emu) < 2e-4
     assert fro(out, f32) < 0.1
+
+
+def test_wide_output_tiles_are_stored_by_columns_to_keep_two_stages():
+    """D=256 in bf16: the whole O tile leaves room for one K/V stage, O stored 128 columns
+    at a time for two; narrower heads keep the whole tile."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd
+
+    assert fwd.stages_and_out_cols(2, 32, 256, 256, jnp.bfloat16) == (2, fwd.OUT_CHUNK)
+    assert fwd.stages_and_out_cols(2, 32, 128, 128, jnp.bfloat16) == (2, 128)
+    assert fwd.stages_and_out_cols(2, 1, 256, 256, jnp.bfloat16) == (1, 256)  # one key tile
+    assert fwd.smem_bytes(2, 256, 256, jnp.bfloat16, fwd.OUT_CHUNK) <= fwd.SMEM_BYTES
+
+
+@pytest.mark.skipif(
+    not JAX_011,
+    reason=f"Pallas' GPU interpret mode runs Mosaic GPU kernels from jax 0.11; this is jax {jax.__version__}",
+)
+def test_output_stored_by_columns_is_bitwise_the_whole_tile():
+    """The forward kernel (interpret mode) storing O 32 f32 columns at a time writes exactly
+    the bytes of the whole-tile store, and the same lse."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t, hq, d = 1, 256, 2, 64
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    q, k, v = (jax.random.normal(key, (b, t, hq, d)) for key in ks)
+    q8, k8, v8 = ops.quantize_operands(q, k, v, config.MosaicConfig(fused_quantize=False), True)
+    mask = fwd.ForwardMask(t=t, s=t, causal=True, segments=False)
+
+    def run(out_cols):
+        return fwd.forward(
+            *ops._kernel_operands(q8, k8, v8),
+            mask=mask,
+            sm_scale=d**-0.5,
+            stages=2,
+            out_dtype=jnp.float32,
+            interpret=True,
+            out_cols=out_cols,
+        )
+
+    (o_whole, lse_whole), (o_cols, lse_cols) = run(None), run(32)
+    assert bool(jnp.all(jnp.isfinite(o_whole)))
+    assert bool(jnp.array_equal(o_cols, o_whole)) and bool(jnp.array_equal(lse_cols, lse_whole))
+    with pytest.raises(ValueError, match="out_cols"):
+        run(24)

@@ -63,6 +63,7 @@ def out_transforms(dtype):
 
 
 SMEM_BYTES = 232_448  # per CTA on the H200 (HOPPER_FP8.md)
+OUT_CHUNK = 128  # O columns per store when the whole O tile would cost a K/V stage
 
 
 def kernel_dtype(dtype):
@@ -87,9 +88,11 @@ def warp_specialized_call(body, out_type, grid, grid_names, interpret: bool):
     )
 
 
-def smem_bytes(stages: int, dqk: int, dv: int, out_dtype) -> int:
-    """Shared memory of one CTA: Q and O tiles per consumer warpgroup, K / V^T stages."""
-    per_wg = ROWS * (dqk + dv * jnp.dtype(out_dtype).itemsize + 12)
+def smem_bytes(stages: int, dqk: int, dv: int, out_dtype, out_cols=None) -> int:
+    """Shared memory of one CTA: Q and O tiles per consumer warpgroup (O ``out_cols`` wide,
+    default ``dv``), K / V^T stages."""
+    out_cols = dv if out_cols is None else out_cols
+    per_wg = ROWS * (dqk + out_cols * jnp.dtype(out_dtype).itemsize + 12)
     per_stage = BLOCK * (dqk + dv) + 2 * ROWS * 4 + 2 * BLOCK * 4  # + the aux row
     return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
 
@@ -101,9 +104,18 @@ def fitting(stages: int, smem) -> int:
     return stages
 
 
-def fitting_stages(stages: int, n_k: int, dqk: int, dv: int, out_dtype) -> int:
-    """The most K/V stages <= ``stages`` (and <= the key tiles) that fit in shared memory."""
-    return fitting(max(1, min(stages, n_k)), lambda n: smem_bytes(n, dqk, dv, out_dtype))
+def stages_and_out_cols(stages: int, n_k: int, dqk: int, dv: int, out_dtype) -> tuple:
+    """(K/V stages, O columns per store): the most stages <= ``stages`` (and <= the key
+    tiles) that fit in shared memory, with the whole O tile, or with O stored OUT_CHUNK
+    columns at a time where that fits more stages (D=256 in bf16: two stages instead of one).
+    """
+    want = max(1, min(stages, n_k))
+    whole = fitting(want, lambda n: smem_bytes(n, dqk, dv, out_dtype))
+    if whole < want and dv > OUT_CHUNK and dv % OUT_CHUNK == 0:
+        chunked = fitting(want, lambda n: smem_bytes(n, dqk, dv, out_dtype, OUT_CHUNK))
+        if chunked > whole:
+            return chunked, OUT_CHUNK
+    return whole, dv
 
 
 def forward(
@@ -120,6 +132,7 @@ def forward(
     stages: int,
     out_dtype,
     interpret: bool = False,
+    out_cols=None,
 ):
     """Run the forward kernel on quantized, padded operands.
 
@@ -130,6 +143,8 @@ def forward(
         repeated over 64 rows, then the keys' poison (NaN for a key whose K or V row was not
         finite, else 0): one copy per tile.
       q_seg [B, Tp], kv_seg [B, Sp]: int32 segment ids (only when ``mask.segments``).
+      out_cols: O columns per shared-memory store (a divisor of Dv of 128-byte rows);
+        default :func:`stages_and_out_cols`'s choice.
     Returns:
       o [B, Tp, Hq, Dv] in ``out_dtype`` (the public layout: no transpose after the kernel),
       lse [B, Hq, Tp] f32 (natural log).
@@ -139,7 +154,11 @@ def forward(
     dv = vt8.shape[2]
     group = hq // hkv
     n_k = sp // BLOCK
-    stages = fitting_stages(stages, n_k, dqk, dv, out_dtype)
+    stages, chosen_cols = stages_and_out_cols(stages, n_k, dqk, dv, out_dtype)
+    if out_cols is None:
+        out_cols = chosen_cols
+    elif dv % out_cols or (out_cols * jnp.dtype(out_dtype).itemsize) % 128:
+        raise ValueError(f"out_cols must divide Dv={dv} in 128-byte rows, got {out_cols}")
     c = sm_scale * LOG2E
     block_q = WARPGROUPS * ROWS
 
@@ -317,12 +336,18 @@ def forward(
 
             empty = l == 0.0
             inv_l = u / jnp.where(empty, 1.0, l)
-            o_smem[...] = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
+            o = (acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])).astype(out_dtype)
             log_l = jnp.log(jnp.where(empty, 1.0, l)) * (1.0 / LN2)
             lse_smem[...] = jnp.where(empty, jnp.inf, (m + log_l - P_EXPONENT) * LN2)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, rows, head])  # [B, Tp, Hq, Dv]
-            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, rows])
+            for n, c0 in enumerate(range(0, dv, out_cols)):  # O [B, Tp, Hq, Dv], by columns
+                if n:  # the previous columns' copy has read o_smem
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                o_smem[...] = o if out_cols == dv else o[:, c0 : c0 + out_cols]
+                plgpu.commit_smem()
+                cols = pl.ds(c0, out_cols)
+                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[batch, rows, head, cols])
+                if n == 0:
+                    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, rows])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == WARPGROUPS)
@@ -377,7 +402,9 @@ def forward(
         qseg = plgpu.SMEM((WARPGROUPS, ROWS), jnp.int32) if mask.segments else None
         smem = (
             plgpu.SMEM((WARPGROUPS, ROWS, dqk), jnp.float8_e4m3fn, transforms=fp8_transforms(dqk)),
-            plgpu.SMEM((WARPGROUPS, ROWS, dv), out_dtype, transforms=out_transforms(out_dtype)),
+            plgpu.SMEM(
+                (WARPGROUPS, ROWS, out_cols), out_dtype, transforms=out_transforms(out_dtype)
+            ),
             plgpu.SMEM((WARPGROUPS, ROWS), jnp.float32),
             plgpu.SMEM((WARPGROUPS, ROWS), jnp.float32),
             qseg,
