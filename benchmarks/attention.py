@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import dm_jax
 from benchmarks.correctness import f32_out_and_grads, fro_rel
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
-from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig, backward_tiles
+from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, default_config
 
 F32 = jnp.float32
@@ -78,14 +78,6 @@ def arms(case: Case, implementation="pallas"):
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)
-        )
-        # head dims over 128 in the Mosaic backward (one launch per 128 columns)
-        out[f"mosaic_fp8_{delta}_wide"] = ours(
-            delta,
-            "fp8",
-            backend="mosaic",
-            config=MosaicConfig(backward_wide_heads=True),
-            tiles=backward_tiles(case.dqk, case.dv),
         )
     try:
         from dm_jax.baselines import cudnn_fp8_attention

@@ -28,7 +28,6 @@ from dm_jax import backends, reference
 from dm_jax.numerics import DELTA_MODES
 from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.arg_specs import Case, gpu_cases
-from pallas_kernels.fp8_attention.mosaic_gpu.config import backward_tiles
 from pallas_kernels.fp8_attention.tiles import default_tiles
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES
 
@@ -128,12 +127,14 @@ def multi_key_max(rowsum, abssum, visible):
 
 def run_case(case: Case, modes, with_reference=True, implementation="pallas", overrides=None):
     """Records (one per delta mode) for one shape; ``overrides``: launch-config fields of the
-    backend to change from its defaults (e.g. the Triton FP8 accumulation mode), and
-    ``tiles``: NumericsTiles other than the head dims' defaults."""
-    q, k, v, do = case.arrays(seed=0)
+    backend to change from its defaults (e.g. the Triton FP8 accumulation mode),
+    ``tiles``: NumericsTiles other than the head dims' defaults, and ``dtype``: the inputs'
+    dtype (float32 unless named; the f32 attention they are checked against upcasts them)."""
+    overrides = dict(overrides or {})
+    dtype = jnp.dtype(overrides.pop("dtype", jnp.float32))
+    q, k, v, do = case.arrays(seed=0, dtype=dtype)
     ids = case.segment_ids()
     q_ids, kv_ids = ids if ids is not None else (None, None)
-    overrides = dict(overrides or {})
     tiles = overrides.pop("tiles", None) or default_tiles(case.dqk, case.dv)
 
     def spec(mode):
@@ -149,7 +150,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
     )
     out, lse = fwd(q, k, v, q_ids, kv_ids, spec(modes[0]))
 
-    hp = f32_out_and_grads(q, k, v, do, case.causal, ids)
+    hp = f32_out_and_grads(*(x.astype(jnp.float32) for x in (q, k, v, do)), case.causal, ids)
     if with_reference:
         r_out, r_lse = jax.jit(
             lambda q, k, v, qi, ki, s: ref.forward(q, k, v, qi, ki, spec=s, config=ref_cfg),
@@ -173,6 +174,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
             causal=case.causal,
             segments=case.segment_len is not None,
             precision=case.precision,
+            dtype=dtype.name,
             delta=mode,
             implementation=kern.name,
             config=dataclasses.asdict(cfg),
@@ -273,7 +275,9 @@ def main(argv=None):
         )
         for causal in (False, True):
             for c in gpu_cases(4096, causal, "matched"):
-                plan.append((c, DELTA_MODES, None))
+                # the Mosaic forward's f32 output tile fits shared memory up to D=192
+                wide_f32 = args.implementation.startswith("mosaic") and max(c.dqk, c.dv) > 192
+                plan.append((c, DELTA_MODES, dict(dtype=jnp.bfloat16) if wide_f32 else None))
         bf16 = gpu_cases(4096, False, "matched", head_dims=((128, 128),), precision="bf16")[0]
         plan.append(
             (dataclasses.replace(bf16, name=bf16.name + "_bf16"), ("matched", "stale"), None)
@@ -294,11 +298,6 @@ def main(argv=None):
                     dict(fp8_accumulation=mode),
                 )
             )
-        if args.implementation.startswith("mosaic"):
-            # head dims over 128 in the Mosaic backward (MosaicConfig.backward_wide_heads)
-            for c in gpu_cases(4096, True, "matched", head_dims=((256, 256), (192, 128))):
-                wide = dict(backward_wide_heads=True, tiles=backward_tiles(c.dqk, c.dv))
-                plan.append((dataclasses.replace(c, name=c.name + "_wide"), DELTA_MODES, wide))
     only = [n for n in args.only.split(",") if n]
     if only:
         plan = [p for p in plan if p[0].name in only]

@@ -10,8 +10,13 @@
 #                                          # and FP8, causal and not; D=256's passes with the
 #                                          # fused and the XLA quantize pre-pass
 #   bash benchmarks/h200_mosaic.sh wide    # head dims 256 and 192/128 in the Mosaic backward
-#                                          # (backward_wide_heads): correctness, then fwd+bwd
-#                                          # against the Triton backward and cuDNN BF16
+#                                          # (one launch per 128 columns): correctness, then
+#                                          # fwd+bwd against the Triton backward and cuDNN BF16
+#   bash benchmarks/h200_mosaic.sh headline # correctness at D=128 (causal and not), 256 and
+#                                          # 192/128; the backward passes; fwd+bwd of every
+#                                          # head dim beside cuDNN BF16, causal D=128 + cuDNN FP8
+#   bash benchmarks/h200_mosaic.sh profile # Nsight Compute's per-instruction stall samples of
+#                                          # the dK/dV and dQ passes (SASS, hottest first)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 MODE=${1:-}
@@ -54,18 +59,55 @@ step)
   ;;
 wide)
   timeout 300 python3 benchmarks/correctness.py --implementation mosaic --budget 240 \
-    --only T4096_d256_256_causal_wide,T4096_d192_128_causal_wide --out "$W" \
+    --only T4096_d256_256_causal,T4096_d192_128_causal --out "$W" \
     > "$W/correctness.log" 2>&1
   echo "correctness: exit $?"
   grep "^|" "$W/correctness.log"
   timeout 240 python3 benchmarks/attention.py --shapes d256,d192_128 --causal 0 --budget 200 \
-    --arms mosaic_fp8_matched,mosaic_fp8_matched_wide,cudnn_bf16 --tag _wide --out "$W" \
-    > "$W/attention.log" 2>&1
+    --arms mosaic_fp8_matched,mosaic_fwd_triton_bwd_fp8_matched,cudnn_bf16 --tag _wide \
+    --out "$W" > "$W/attention.log" 2>&1
   echo "attention: exit $?"
   tail -8 "$W/attention.log"
   ;;
+headline)
+  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 150 \
+    --only T4096_d128_128,T4096_d128_128_causal,T4096_d256_256_causal,T4096_d192_128_causal \
+    --out "$W" > "$W/correctness.log" 2>&1
+  echo "correctness: exit $?"
+  grep "^|" "$W/correctness.log"
+  timeout 70 python3 benchmarks/mosaic_backward.py --stages 2 --delta-key-tiles 128 \
+    --pingpong 0 --causal 0 --out "$W" > "$W/mosaic_backward.log" 2>&1
+  echo "mosaic_backward: exit $?"
+  grep "^|" "$W/mosaic_backward.log"
+  timeout 150 python3 benchmarks/attention.py --shapes main,d64,d256,d192_128 --causal 0 \
+    --budget 130 --iters 5 --reps 3 --arms mosaic_fp8_matched,cudnn_bf16 --tag _heads \
+    --out "$W" > "$W/attention_heads.log" 2>&1
+  echo "attention heads: exit $?"
+  grep "^| [a-z0-9_]* | [a-z]" "$W/attention_heads.log"
+  timeout 110 python3 benchmarks/attention.py --shapes main --causal 1 --budget 90 \
+    --arms mosaic_fp8_matched,cudnn_bf16,cudnn_fp8,mosaic_fp8_stale --tag _causal \
+    --out "$W" > "$W/attention_causal.log" 2>&1
+  echo "attention causal: exit $?"
+  grep "^| [a-z0-9_]* | [a-z]" "$W/attention_causal.log"
+  ;;
+profile)
+  for pass in dkdv_pass dq_pass; do
+    kernel=query_pass
+    [ "$pass" = dkdv_pass ] && kernel=key_pass
+    # launches 1-2 of the kernel are warm-up (and the dQ plan's own delta launch)
+    timeout 200 ncu --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
+      --section SourceCounters --section WarpStateStats --section LaunchStats -f -o "$W/$pass" \
+      python3 benchmarks/profile_mosaic.py --pass "$pass" > "$W/$pass.ncu.log" 2>&1
+    echo "ncu $pass: exit $?"
+    ncu --import "$W/$pass.ncu-rep" --page source --csv --print-source sass \
+      > "$W/$pass.sass.csv" 2> "$W/$pass.import.err"
+    ncu --import "$W/$pass.ncu-rep" > "$W/$pass.details.txt" 2>&1
+    python3 benchmarks/ncu_hotspots.py "$W/$pass.sass.csv" --top 25 > "$W/$pass.hot.txt" 2>&1
+    grep -A40 "share by opcode" "$W/$pass.hot.txt" | cut -c1-150
+  done
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|wide" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|wide|headline|profile" >&2
   exit 2
   ;;
 esac

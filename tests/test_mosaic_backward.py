@@ -4,14 +4,13 @@ the emulation's. Numbers on the GPU: docs/mosaic_gpu.md."""
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_kernels.fp8_attention.api import AttentionSpec
-from pallas_kernels.fp8_attention.mosaic_gpu import backward_ops, config
+from pallas_kernels.fp8_attention.mosaic_gpu import backward, backward_ops, config
 from pallas_kernels.fp8_attention.tiles import NumericsTiles, default_tiles
 
 JAX_011 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
@@ -29,15 +28,17 @@ def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
     shape = (1, 256, 2, 128)
     assert backward_ops.reason(shape, shape, jnp.bfloat16, _spec(d=128)) is None
     wide = (1, 256, 2, 256)
-    assert "backward_wide_heads" in backward_ops.reason(wide, wide, jnp.bfloat16, _spec(d=256))
-    reason = functools.partial(backward_ops.reason, wide_heads=True)
+    narrow_only = backward_ops.reason(wide, wide, jnp.bfloat16, _spec(d=256), wide_heads=False)
+    assert "backward_wide_heads=False" in narrow_only
+    reason = backward_ops.reason
     assert reason(wide, wide, jnp.bfloat16, _spec(d=256)) is None
     assert "use bfloat16" in reason(wide, wide, jnp.float32, _spec(d=256))
     mla_q, mla_v = (1, 256, 2, 192), (1, 256, 2, 128)
-    # 192/128's default dS tile (64 x 32) is the Triton backward's; with 64 x 64 it runs here
-    assert "64 x 64" in reason(mla_q, mla_v, jnp.bfloat16, _spec(d=192))
-    mla_tiles = _spec(d=192, tiles=NumericsTiles(64, 64, 64, 64))
-    assert reason(mla_q, mla_v, jnp.bfloat16, mla_tiles) is None
+    # 192/128's default dS tile is the Mosaic backward's 64 x 64; 64 x 32 goes to Triton
+    assert default_tiles(192, 128).ds_tile == (64, 64)
+    assert reason(mla_q, mla_v, jnp.bfloat16, _spec(d=192)) is None
+    triton_tile = _spec(d=192, tiles=NumericsTiles(64, 64, 64, 32))
+    assert "64 x 64" in reason(mla_q, mla_v, jnp.bfloat16, triton_tile)
     odd = (1, 256, 2, 96)
     assert "multiples of 64" in reason(odd, odd, jnp.bfloat16, _spec(d=96))
     narrow_q, wide_v = (1, 256, 2, 64), (1, 256, 2, 192)
@@ -83,17 +84,11 @@ def _export_backward(case, **config_fields):
 
     b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile = case
     d, dv = d if isinstance(d, tuple) else (d, d)
-    cfg = config.MosaicConfig(
-        fused_quantize=False,
-        delta_key_tile=delta_key_tile,
-        backward_wide_heads=max(d, dv) > 128,
-        **config_fields,
-    )
+    cfg = config.MosaicConfig(fused_quantize=False, delta_key_tile=delta_key_tile, **config_fields)
     sds = jax.ShapeDtypeStruct
     q, k = sds((b, t, hq, d), jnp.bfloat16), sds((b, s, hkv, d), jnp.bfloat16)
     v, out = sds((b, s, hkv, dv), jnp.bfloat16), sds((b, t, hq, dv), jnp.bfloat16)
-    # (192/128's default dS tile, 64 x 32, is the Triton backward's; the Mosaic one runs 64 x 64)
-    tiles = NumericsTiles(64, 64, 64, 64) if dv != d else None
+    tiles = None  # the head dims' defaults: 64 x 64 dS tiles everywhere
     lse = sds((b, hq, t), jnp.float32)
     ids = [sds((b, t), jnp.int32), sds((b, s), jnp.int32)] if segments else [None, None]
 
@@ -324,3 +319,16 @@ def test_column_chunks_equal_one_launch(monkeypatch):
         a, r = getattr(halves, name), getattr(whole, name)
         assert a.shape == r.shape, name
         assert float(jnp.max(jnp.abs(a - r)) / jnp.max(jnp.abs(r))) < 1e-6, name
+
+
+def test_finite_row_amax_ignores_inf_and_nan_bit_for_bit():
+    """The dS tile's amax from integer codes: bitwise max |x| over the finite entries of
+    each row (0 where a row has none), over 78 decades, signed zeros and denormals."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 64)) * 10.0 ** rng.integers(-40, 38, (64, 64))
+    x = x.astype(np.float32)
+    x[3, 5], x[5, 7], x[7, 1], x[10, 3] = np.inf, -np.inf, -3e38, 1e-45
+    x[4], x[6], x[8], x[9] = np.nan, np.inf, 0.0, -0.0
+    want = np.where(np.isfinite(x), np.abs(x), 0).max(axis=1)
+    got = np.asarray(jax.jit(backward._finite_row_amax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -64,7 +64,10 @@ class NumericsTiles:
 _DEFAULTS = (
     (64, (64, 128), (64, 64)),
     (128, (64, 128), (64, 64)),
-    (192, (64, 64), (64, 32)),  # MLA: Dqk 192, Dv 128
+    # MLA: Dqk 192, Dv 128. The dS tile is 64 x 64 (the Mosaic backward's; 2.2x faster
+    # fwd+bwd than the Triton passes on the H200), not the Triton backward's best 64 x 32
+    # (111 against 106 TFLOP/s there): docs/mosaic_gpu.md, "Head dims over 128".
+    (192, (64, 64), (64, 64)),
     (256, (64, 64), (64, 64)),
 )
 

@@ -27,14 +27,14 @@ from pallas_kernels.fp8_attention.triton import delta as delta_kernels
 from pallas_kernels.fp8_attention.triton.quantize import QuantizedTensor
 
 
-def reason(q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=False) -> Optional[str]:
+def reason(q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=True) -> Optional[str]:
     """None if the Mosaic GPU backward kernels run this call, else why not. Head dims over
-    128 run only with ``wide_heads`` (``MosaicConfig.backward_wide_heads``)."""
+    128 run only with ``wide_heads`` (``MosaicConfig.backward_wide_heads``, on by default)."""
     dqk, dv = q_shape[-1], v_shape[-1]
     if max(dqk, dv) > kernels.MAX_COLUMNS and not wide_heads:
         return (
-            f"head dims ({dqk}, {dv}): over {kernels.MAX_COLUMNS} the Mosaic backward runs "
-            "only with MosaicConfig(backward_wide_heads=True) (not yet timed on the GPU)"
+            f"head dims ({dqk}, {dv}): MosaicConfig(backward_wide_heads=False) leaves head "
+            f"dims over {kernels.MAX_COLUMNS} to the Triton backward passes"
         )
     if max(dqk, dv) > kernels.MAX_HEAD_DIM or dqk % 64 or dv % 64:
         return (
