@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import correctness, cudnn_fp8_probe, fp8_linear, passes
+from benchmarks import correctness, cudnn_fp8_probe, fp8_linear, ncu_hotspots, passes
 
 
 def test_correctness_script_quick(tmp_path):
@@ -206,3 +206,27 @@ def test_fp8_linear_script_tiny(tmp_path):
     assert result["causality_ok"] and set(ffn) == {"per_token", "per_tensor", "bf16"}
     assert ffn["bf16"]["err_y"] < ffn["per_token"]["err_y"] < 0.15  # FP8 rounding, not noise
     assert all(r["ms"] > 0 and r["err_grad"] < 1 for r in result["train_step"])
+
+
+def test_ncu_hotspots_reads_the_source_page_and_finds_the_loop(tmp_path, capsys):
+    """A source page as ncu writes it (a kernel-name line, then the table): the hottest
+    instruction, the opcode shares and the main loop (the most executed instructions)."""
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed"]
+    header += ["stall_barrier", "stall_wait"]
+    rows = [
+        ["0x10", "  LDC R1, c[0x0][0x28]", "5", "8", "0", "5"],
+        ["0x20", "  FFMA R2, R3, R4, R5", "30", "640", "0", "30"],
+        ["0x30", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", "50", "640", "50", "0"],
+        ["0x40", "@!P1  BRA 0x80", "15", "320", "0", "15"],
+    ]
+    lines = ['"Kernel Name","k",\n'] + [
+        ",".join(f'"{c}"' for c in r) + "\n" for r in [header] + rows
+    ]
+    path = tmp_path / "page.csv"
+    path.write_text("".join(lines))
+    ncu_hotspots.main([str(path), "--top", "2"])
+    out = capsys.readouterr().out
+    assert "4 instructions, 100 samples" in out
+    assert "50.0%  0x30" in out and "30.0%  0x20" in out  # hottest first
+    assert "main loop: 2 instructions per iteration" in out and "80.0% of the samples" in out
+    assert "62.5%  stall_barrier" in out and "per iteration: FFMA 1, WARPGROUP 1" in out
