@@ -8,7 +8,9 @@
 #   bash benchmarks/h200_mosaic.sh passes  # the backward passes alone, ping-pong off and on
 #   bash benchmarks/h200_mosaic.sh step    # fwd+bwd end to end from bf16 beside cuDNN BF16
 #                                          # and FP8, causal and not; D=256's passes with the
-#                                          # fused and the XLA quantize pre-pass
+#                                          # fused and the XLA quantize pre-pass and 8 warps
+#   bash benchmarks/h200_mosaic.sh levers  # the quantize kernel with 4 and 8 warps per program;
+#                                          # ptxas' registers and spills of D=256's forward
 #   bash benchmarks/h200_mosaic.sh wide    # head dims 256 and 192/128 in the Mosaic backward
 #                                          # (one launch per 128 columns): correctness, then
 #                                          # fwd+bwd against the Triton backward and cuDNN BF16
@@ -53,9 +55,21 @@ step)
   # D=256: the forward's quantize pre-pass as one kernel against XLA ops (the forward ran
   # at 330 TFLOP/s in the head-dim run, 498 before the fused kernel and the NaN masking)
   timeout 120 python3 benchmarks/passes.py --implementation mosaic --shape d256 \
-    --modes default,xla_quantize --out "$W" > "$W/passes_d256.log" 2>&1
+    --modes default,xla_quantize,quantize_warps8 --out "$W" > "$W/passes_d256.log" 2>&1
   echo "passes d256: exit $?"
   grep "^|" "$W/passes_d256.log"
+  ;;
+levers)
+  # the quantize kernel's warps per program (4, the default, against 8) at the main shape
+  timeout 150 python3 benchmarks/passes.py --implementation mosaic --shape main \
+    --modes default,quantize_warps8 --out "$W" > "$W/passes_main.log" 2>&1
+  echo "passes main: exit $?"
+  grep "^|" "$W/passes_main.log"
+  # D=256's forward kernel: registers and spills (ptxas' report)
+  MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 benchmarks/profile_mosaic.py --shape d256 \
+    > "$W/ptxas_d256_forward.log" 2>&1
+  echo "ptxas d256: exit $?"
+  grep -i "registers\|spill\|stack" "$W/ptxas_d256_forward.log" | head -8
   ;;
 wide)
   timeout 300 python3 benchmarks/correctness.py --implementation mosaic --budget 240 \
@@ -107,7 +121,7 @@ profile)
   done
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|wide|headline|profile" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|wide|headline|levers|profile" >&2
   exit 2
   ;;
 esac

@@ -1,5 +1,6 @@
-"""One pass of the Mosaic GPU backend at [4, 4096, 16, 128] on its own inputs (the forward
-kernel on pre-quantized operands by default), for Nsight Compute:
+"""One pass of the Mosaic GPU backend at [4, 4096, 16, 128] (``--shape``: another benchmark
+shape) on its own inputs (the forward kernel on pre-quantized operands by default), for
+Nsight Compute or ptxas' report (``MOSAIC_GPU_DUMP_PTXAS=1``):
 
     ncu --clock-control none -k regex:dm_fp8 --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats python3 benchmarks/profile_mosaic.py \\
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from dm_jax import backends
 from pallas_kernels.fp8_attention.api import AttentionSpec
-from pallas_kernels.fp8_attention.arg_specs import BENCH_MAIN
+from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.tiles import default_tiles
 
@@ -29,8 +30,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--pass", dest="name", default="forward_kernel", help="a key of ops.passes")
+    p.add_argument("--shape", default="main", choices=sorted(BENCH_SHAPES))
     args = p.parse_args(argv)
-    case = dataclasses.replace(BENCH_MAIN, causal=args.causal)
+    case = dataclasses.replace(BENCH_SHAPES[args.shape], causal=args.causal)
     q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
     spec = AttentionSpec(
         case.causal, "matched", "fp8", case.dqk**-0.5, default_tiles(case.dqk, case.dv)

@@ -83,8 +83,10 @@ def test_fused_quantize_kernel_lowers_to_triton():
     from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
     x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-    modules = lower_for_cuda(lambda x: quantize_kernel.quantize(x, k_major=True), x)
-    assert list(modules) == ["dm_fp8_attention_quantize"]
+    for warps in (4, 8):  # MosaicConfig.quantize_warps: a launch setting
+        quantize = quantize_kernel.quantizer(True, num_warps=warps)
+        modules = lower_for_cuda(lambda x: quantize(x, k_major=True), x)
+        assert list(modules) == ["dm_fp8_attention_quantize"]
 
 
 def _spec(causal=False, precision="fp8", d=128):
@@ -106,6 +108,8 @@ def test_supported_explains_refusals():
     assert "shared memory" in config.supported(wide, wide, wide, jnp.float32, fp8, cfg)
     with pytest.raises(ValueError, match="stages"):
         config.MosaicConfig(stages=0)
+    with pytest.raises(ValueError, match="quantize_warps"):
+        config.MosaicConfig(quantize_warps=3)
 
 
 CASES = [  # (b, t, s, hq, hkv, dqk, dv, causal, segments, dtype)

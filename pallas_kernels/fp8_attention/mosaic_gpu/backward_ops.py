@@ -85,8 +85,9 @@ def operands(
     interpret,
     delta_key_tile=128,
     pingpong=False,
+    quantize_warps=quantize_kernel.WARPS,
 ):
-    quantize = quantize_kernel.quantizer(fused_quantize, interpret)
+    quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
     v8, do8 = quantize(v), quantize(do, k_major=True)
     tp, sp = q8.values.shape[2], k8.values.shape[2]

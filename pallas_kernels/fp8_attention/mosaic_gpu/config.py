@@ -42,7 +42,10 @@ class MosaicConfig:
     ``backward_pingpong``: the backward passes' two consumer warpgroups take turns on the
     tensor cores (one's dS math under the other's dots, as in the forward); results are
     bitwise the same. Off: slower on the H200 in every pass, the dK/dV pass 1.9x
-    (`benchmarks/mosaic_backward.py --pingpong 0,1`, docs/mosaic_gpu.md)."""
+    (`benchmarks/mosaic_backward.py --pingpong 0,1`, docs/mosaic_gpu.md).
+    ``quantize_warps``: warps per program of the fused quantize kernel (one [128, D] tile
+    each); 4 is the setting measured so far, ``benchmarks/passes.py --modes
+    default,quantize_warps8`` times 8 against it."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -52,11 +55,14 @@ class MosaicConfig:
     delta_key_tile: int = 128
     backward_pingpong: bool = False
     backward_wide_heads: bool = True
+    quantize_warps: int = 4
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):
             if not 1 <= getattr(self, name) <= 4:
                 raise ValueError(f"{name} must be in [1, 4], got {getattr(self, name)}")
+        if self.quantize_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"quantize_warps must be 1, 2, 4, 8 or 16, got {self.quantize_warps}")
         if self.delta_key_tile not in (64, 128):
             raise ValueError(f"delta_key_tile must be 64 or 128, got {self.delta_key_tile}")
 

@@ -27,7 +27,7 @@ __all__ = ["Config", "backward", "default_config", "delta", "forward", "passes",
 
 def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False):
     """(Q, K, V) for the forward: values of Q and K, the permuted K-major copy of V."""
-    quantize = quantize_kernel.quantizer(config.fused_quantize, interpret)
+    quantize = quantize_kernel.quantizer(config.fused_quantize, interpret, config.quantize_warps)
     return quantize(q), quantize(k), quantize(v, values=False, k_major=True)
 
 
@@ -101,6 +101,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         interpret=interpret,
         delta_key_tile=config.delta_key_tile,
         pingpong=config.backward_pingpong,
+        quantize_warps=config.quantize_warps,
     )
 
 
