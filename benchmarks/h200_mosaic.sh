@@ -9,7 +9,7 @@
 #   bash benchmarks/h200_mosaic.sh step    # fwd+bwd end to end from bf16 beside cuDNN BF16
 #                                          # and FP8, causal and not; D=256's passes with the
 #                                          # fused and the XLA quantize pre-pass and 8 warps
-#   bash benchmarks/h200_mosaic.sh levers  # the quantize kernel with 4 and 8 warps per program;
+#   bash benchmarks/h200_mosaic.sh levers  # the quantize kernel with 4, 8, 16 warps per program;
 #                                          # ptxas' registers and spills of D=256's forward
 #   bash benchmarks/h200_mosaic.sh wide    # head dims 256 and 192/128 in the Mosaic backward
 #                                          # (one launch per 128 columns): correctness, then
@@ -60,11 +60,11 @@ step)
   grep "^|" "$W/passes_d256.log"
   ;;
 levers)
-  # the quantize kernel's warps per program (4, the default, against 8) at the main shape
-  timeout 150 python3 benchmarks/passes.py --implementation mosaic --shape main \
-    --modes default,quantize_warps8 --out "$W" > "$W/passes_main.log" 2>&1
-  echo "passes main: exit $?"
-  grep "^|" "$W/passes_main.log"
+  # the quantize kernel's warps per program at the main shape
+  timeout 150 python3 benchmarks/quantize_speed.py --warps 4,8,16 --out "$W" \
+    > "$W/quantize_speed.log" 2>&1
+  echo "quantize_speed: exit $?"
+  grep "^|" "$W/quantize_speed.log"
   # D=256's forward kernel: registers and spills (ptxas' report)
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 benchmarks/profile_mosaic.py --shape d256 \
     > "$W/ptxas_d256_forward.log" 2>&1

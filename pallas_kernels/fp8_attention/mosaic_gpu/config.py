@@ -44,8 +44,8 @@ class MosaicConfig:
     bitwise the same. Off: slower on the H200 in every pass, the dK/dV pass 1.9x
     (`benchmarks/mosaic_backward.py --pingpong 0,1`, docs/mosaic_gpu.md).
     ``quantize_warps``: warps per program of the fused quantize kernel (one [128, D] tile
-    each); 4 is the setting measured so far, ``benchmarks/passes.py --modes
-    default,quantize_warps8`` times 8 against it."""
+    each): 4, the backward pre-pass's best on the H200 (0.373 against 0.397-0.399 ms with 8
+    or 16; the forward's 0.251 against 0.222 with 16: ``benchmarks/quantize_speed.py``)."""
 
     stages: int = 2
     fused_quantize: bool = True
