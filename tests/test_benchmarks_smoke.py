@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import correctness, cudnn_fp8_probe, fp8_linear, ncu_hotspots, passes
+from benchmarks import (
+    correctness,
+    cudnn_fp8_probe,
+    fp8_linear,
+    ncu_hotspots,
+    passes,
+    quantize_speed,
+)
 
 
 def test_correctness_script_quick(tmp_path):
@@ -230,3 +237,17 @@ def test_ncu_hotspots_reads_the_source_page_and_finds_the_loop(tmp_path, capsys)
     assert "50.0%  0x30" in out and "30.0%  0x20" in out  # hottest first
     assert "main loop: 2 instructions per iteration" in out and "80.0% of the samples" in out
     assert "62.5%  stall_barrier" in out and "per iteration: FFMA 1, WARPGROUP 1" in out
+
+
+def test_quantize_speed_script_smoke(tmp_path):
+    """The quantize pre-passes per warps setting (interpret mode): every setting writes the
+    same operands, and each row names its pass and its bytes' rate."""
+    assert quantize_speed.main(["--smoke", "--warps", "4,8", "--out", str(tmp_path)]) == 0
+    rows = json.load(open(tmp_path / "quantize_speed.json"))["rows"]
+    assert [(r["warps"], r["name"]) for r in rows] == [
+        (4, "forward_quantize"),
+        (4, "backward_quantize"),
+        (8, "forward_quantize"),
+        (8, "backward_quantize"),
+    ]
+    assert all(r["bitwise_same_as_first"] and r["gb_per_s"] > 0 for r in rows)
