@@ -125,6 +125,17 @@ def multi_key_max(rowsum, abssum, visible):
     return float(jnp.max(jnp.where(visible[:, None, :] >= 2, r, 0.0)))
 
 
+def backward_kernels(kern, q, v, spec, cfg) -> str:
+    """The kernels that run the backward: the Mosaic backend's own passes or the Triton
+    passes it hands the calls they do not take (records name them, so a row can never be
+    read as the wrong backward's)."""
+    if kern.name.startswith("mosaic"):
+        from pallas_kernels.fp8_attention.mosaic_gpu import ops as mosaic_ops
+
+        return mosaic_ops.backward_kernels(q, v, spec, cfg)
+    return kern.name
+
+
 def run_case(case: Case, modes, with_reference=True, implementation="pallas", overrides=None):
     """Records (one per delta mode) for one shape; ``overrides``: launch-config fields of the
     backend to change from its defaults (e.g. the Triton FP8 accumulation mode),
@@ -177,6 +188,7 @@ def run_case(case: Case, modes, with_reference=True, implementation="pallas", ov
             dtype=dtype.name,
             delta=mode,
             implementation=kern.name,
+            backward=backward_kernels(kern, q, v, s, cfg),
             config=dataclasses.asdict(cfg),
         )
         for name, a, b in zip(FIELDS, (out, g.dq, g.dk, g.dv), hp):
@@ -206,6 +218,7 @@ def table(records):
         "case",
         "delta",
         "precision",
+        "backward",
         "ref_out",
         "ref_dq",
         "ref_dk",

@@ -30,6 +30,7 @@ def test_correctness_script_quick(tmp_path):
     records = json.load(open(tmp_path / "correctness.json"))["records"]
     by_mode = {r["delta"]: r for r in records if r["case"] == "smoke"}
     assert set(by_mode) == {"matched", "do_matched", "stale"} and all(r["finite"] for r in records)
+    assert {r["backward"] for r in records} == {"triton_interpret"}  # the kernels that ran
     assert by_mode["matched"]["pre_max"] < 1e-5
     assert by_mode["matched"]["pre_max_multikey"] <= by_mode["matched"]["pre_max"]
     # do_matched removes dO's rounding from the residual, stale does not: the median drops

@@ -43,6 +43,15 @@ def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
     assert "multiples of 64" in reason(odd, odd, jnp.bfloat16, _spec(d=96))
     narrow_q, wide_v = (1, 256, 2, 64), (1, 256, 2, 192)
     assert "dv <= dqk" in reason(narrow_q, wide_v, jnp.bfloat16, _spec(d=64))
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    sds = jax.ShapeDtypeStruct  # what correctness records name as the backward's kernels
+    cfg = config.MosaicConfig()
+    bf16_256, f32_256 = sds(wide, jnp.bfloat16), sds(wide, jnp.float32)
+    assert ops.backward_kernels(bf16_256, bf16_256, _spec(d=256), cfg) == "mosaic"
+    assert ops.backward_kernels(f32_256, f32_256, _spec(d=256), cfg) == "triton"
+    off = config.MosaicConfig(backward_wide_heads=False)
+    assert ops.backward_kernels(bf16_256, bf16_256, _spec(d=256), off) == "triton"
     other_tile = _spec(d=128, tiles=NumericsTiles(64, 128, 64, 32))
     assert "64 x 64" in backward_ops.reason(shape, shape, jnp.bfloat16, other_tile)
     with pytest.raises(ValueError, match="backward_stages"):

@@ -78,6 +78,12 @@ def forward(
     return ForwardResult(o[:, :t].astype(q.dtype), lse[:, :, :t])
 
 
+def backward_kernels(q, v, spec, config: MosaicConfig) -> str:
+    """ "mosaic" where this backend's backward kernels run the call, else "triton" (the
+    Triton passes behind the Mosaic forward: ``backward_ops.reason`` says why)."""
+    return "mosaic" if _mosaic_backward(q, v, spec, config) else "triton"
+
+
 def _mosaic_backward(q, v, spec, config: MosaicConfig) -> bool:
     """Whether this backend's backward kernels run the call."""
     if not config.mosaic_backward:
