@@ -44,7 +44,7 @@ def arms(case: Case, implementation="pallas"):
 
     interpret = implementation.endswith("_interpret")  # the CPU smoke test
 
-    def ours(delta, precision, accumulation=None, backend=implementation, config=None, tiles=None):
+    def ours(delta, precision, accumulation=None, backend=implementation, config=None):
         if interpret and not backend.endswith("_interpret"):
             backend += "_interpret"
         if accumulation is not None:
@@ -60,7 +60,6 @@ def arms(case: Case, implementation="pallas"):
             precision=precision,
             implementation=backend,
             config=config,
-            tiles=tiles,
         )
 
     out = {

@@ -8,7 +8,7 @@
 #   bash benchmarks/h200_mosaic.sh passes  # the backward passes alone, ping-pong off and on
 #   bash benchmarks/h200_mosaic.sh step    # fwd+bwd end to end from bf16 beside cuDNN BF16
 #                                          # and FP8, causal and not; D=256's passes with the
-#                                          # fused and the XLA quantize pre-pass and 8 warps
+#                                          # fused and the XLA quantize pre-pass
 #   bash benchmarks/h200_mosaic.sh levers  # the quantize kernel with 4, 8, 16 warps per program;
 #                                          # ptxas' registers and spills of D=256's forward
 #   bash benchmarks/h200_mosaic.sh wide    # head dims 256 and 192/128 in the Mosaic backward
@@ -55,7 +55,7 @@ step)
   # D=256: the forward's quantize pre-pass as one kernel against XLA ops (the forward ran
   # at 330 TFLOP/s in the head-dim run, 498 before the fused kernel and the NaN masking)
   timeout 120 python3 benchmarks/passes.py --implementation mosaic --shape d256 \
-    --modes default,xla_quantize,quantize_warps8 --out "$W" > "$W/passes_d256.log" 2>&1
+    --modes default,xla_quantize --out "$W" > "$W/passes_d256.log" 2>&1
   echo "passes d256: exit $?"
   grep "^|" "$W/passes_d256.log"
   ;;

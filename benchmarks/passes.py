@@ -63,15 +63,12 @@ def time_fn(fn, args, iters, reps):
 def passes(case, precision, mode, implementation="triton"):
     """name -> Pass(fn, args, matmuls counted) of a backend for one precision; ``mode``: the
     Triton FP8 accumulation mode, "default" (the backend's default launch config) or, for
-    the Mosaic backend, "xla_quantize" (the quantize pre-pass as XLA ops, not one kernel) or
-    "quantize_warpsN" (the fused quantize kernel with N warps per program)."""
+    the Mosaic backend, "xla_quantize" (the quantize pre-pass as XLA ops, not one kernel)."""
     q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
     backend = backends.get(implementation)
     config = backend.default_config(case.dqk, case.dv)
     if mode == "xla_quantize":
         config = dataclasses.replace(config, fused_quantize=False)
-    elif mode.startswith("quantize_warps"):
-        config = dataclasses.replace(config, quantize_warps=int(mode[len("quantize_warps") :]))
     elif mode != "default":
         config = dataclasses.replace(config, fp8_accumulation=mode)
     spec = AttentionSpec(
@@ -91,8 +88,7 @@ def main(argv=None):
         "--modes",
         default="precise,promote32,fast",
         help="Triton FP8 accumulation modes to time (bf16 runs once, after them); "
-        "'default' for other backends; 'xla_quantize' for Mosaic's XLA quantize pre-pass, "
-        "'quantize_warpsN' for its fused kernel with N warps per program",
+        "'default' for other backends; 'xla_quantize' for Mosaic's XLA quantize pre-pass",
     )
     p.add_argument(
         "--implementation",

@@ -97,7 +97,6 @@ def _export_backward(case, **config_fields):
     sds = jax.ShapeDtypeStruct
     q, k = sds((b, t, hq, d), jnp.bfloat16), sds((b, s, hkv, d), jnp.bfloat16)
     v, out = sds((b, s, hkv, dv), jnp.bfloat16), sds((b, t, hq, dv), jnp.bfloat16)
-    tiles = None  # the head dims' defaults: 64 x 64 dS tiles everywhere
     lse = sds((b, hq, t), jnp.float32)
     ids = [sds((b, t), jnp.int32), sds((b, s), jnp.int32)] if segments else [None, None]
 
@@ -111,7 +110,7 @@ def _export_backward(case, **config_fields):
             do,
             q_ids,
             kv_ids,
-            spec=_spec(causal, delta, d, tiles=tiles),
+            spec=_spec(causal, delta, d),  # 64 x 64 dS tiles at every head dim
             config=cfg,
             interpret=False,
             with_stats=True,
@@ -292,7 +291,7 @@ def test_column_chunks_equal_one_launch(monkeypatch):
     launches never finishes in jax 0.11.2's GPU interpreter (one launch of 128 columns per
     chunk runs on the H200 at D=256 and 192/128: docs/mosaic_gpu.md), so here the dK/dV
     launches stay whole."""
-    from pallas_kernels.fp8_attention.mosaic_gpu import backward, ops
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     assert backward.column_chunks(256) == [(0, 128), (128, 128)]
     assert backward.column_chunks(192) == [(0, 128), (128, 64)]

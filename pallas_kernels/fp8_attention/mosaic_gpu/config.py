@@ -13,6 +13,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
+from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
 from pallas_kernels.fp8_attention.triton import config as triton_config
 
 TESTED_HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
@@ -55,7 +56,7 @@ class MosaicConfig:
     delta_key_tile: int = 128
     backward_pingpong: bool = False
     backward_wide_heads: bool = True
-    quantize_warps: int = 4
+    quantize_warps: int = quantize_kernel.WARPS
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):
