@@ -1,5 +1,6 @@
 """Linear-recurrent mixers: chunked form == naive recurrence (values and gradients), for the
-shared recurrence and for each mixer layer (Gated DeltaNet, Mamba-2, KDA)."""
+shared recurrence and for each mixer layer (Gated DeltaNet, Mamba-2, KDA), with each state
+pass across chunks (sequential scan, unrolled or not, and the associative scan)."""
 
 import chex
 import jax
@@ -27,34 +28,87 @@ def _inputs(seed, G):
 
 
 # (delta rule, decay width, packed): GDN (delta, per head), KDA (delta, per channel),
-# Mamba-2 (plain, per head); packed rows carry document boundaries.
+# Mamba-2 (plain, per head), the plain rule with a per-channel decay; packed rows carry
+# document boundaries and start from a non-zero state, unpacked ones from zero.
 CASES = {
     "gdn": (True, 1, True),
     "kda": (True, K, True),
     "mamba2": (False, 1, True),
+    "plain_per_channel": (False, K, True),
     "kda_unpacked": (True, K, False),
 }
 
 
+# state passes other than the default sequential scan: (state_pass, scan_unroll)
+PASSES = {"associative": ("associative", 1), "unroll3": ("sequential", 3)}
+
+
 @pytest.mark.parametrize("delta_rule,G,packed", CASES.values(), ids=CASES.keys())
 def test_chunked_equals_naive_values_and_grads(delta_rule, G, packed):
+    """The chunked form with every state pass gives the naive recurrence's outputs, final
+    state and gradients (inputs and initial state), and so does the sequential pass, with T
+    not a multiple of the chunk and (packed) a document starting exactly on a chunk border."""
     q, k, v, g, b, seg = _inputs(0, G)
-    seg = seg if packed else None
-    w = jax.random.normal(jax.random.key(1), (B, T, H, V))
-    ws = jax.random.normal(jax.random.key(2), (B, H, K, V))
+    seg = seg + (jnp.arange(T) >= 16) if packed else None  # 16: the third chunk's first step
+    ks = jax.random.split(jax.random.key(7), 3)
+    w = jax.random.normal(ks[0], (B, T, H, V))
+    ws = jax.random.normal(ks[1], (B, H, K, V))
+    S0 = jax.random.normal(ks[2], (B, H, K, V)) if packed else None
 
-    def loss(fn, args):
-        o, S = fn(*args, delta_rule=delta_rule, segment_ids=seg)
-        return jnp.sum(o * w) + jnp.sum(S * ws), (o, S)
+    def grads(fn):
+        def loss(args):
+            o, S = fn(*args[:5], delta_rule=delta_rule, segment_ids=seg, initial_state_BHKV=args[5])
+            return jnp.sum(o * w) + jnp.sum(S * ws), (o, S)
 
-    args = (q, k, v, g, b)
-    chunked = lambda *a, **kw: recurrent_chunked(*a, chunk_size=8, **kw)
-    (_, (o1, S1)), g1 = jax.jit(
-        jax.value_and_grad(lambda a: loss(recurrent_naive, a), has_aux=True)
-    )(args)
-    (_, (o2, S2)), g2 = jax.jit(jax.value_and_grad(lambda a: loss(chunked, a), has_aux=True))(args)
-    chex.assert_trees_all_close((o1, S1), (o2, S2), atol=2e-5, rtol=2e-5)
-    chex.assert_trees_all_close(g1, g2, atol=5e-5, rtol=5e-5)
+        (_, out), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))((q, k, v, g, b, S0))
+        return out, grad
+
+    def chunked(state_pass, unroll):
+        kw = dict(chunk_size=8, state_pass=state_pass, scan_unroll=unroll)
+        return lambda *a, **kw2: recurrent_chunked(*a, **kw, **kw2)
+
+    naive = grads(recurrent_naive)
+    sequential = grads(chunked("sequential", 1))
+    chex.assert_trees_all_close(sequential[0], naive[0], atol=2e-5, rtol=2e-5)
+    chex.assert_trees_all_close(sequential[1], naive[1], atol=5e-5, rtol=5e-5)
+    for name, (state_pass, unroll) in PASSES.items():
+        out, grad = grads(chunked(state_pass, unroll))
+        for want in (sequential, naive):
+            chex.assert_trees_all_close(out, want[0], atol=2e-5, rtol=2e-5, custom_message=name)
+            chex.assert_trees_all_close(grad, want[1], atol=5e-5, rtol=5e-5, custom_message=name)
+
+
+def test_state_pass_arguments_are_checked():
+    from dm_jax.models import HybridConfig
+    from dm_jax.nn.recurrence import run_recurrence
+
+    q, k, v, g, b, _ = _inputs(0, 1)
+    with pytest.raises(ValueError, match="state_pass"):
+        recurrent_chunked(q, k, v, g, b, delta_rule=True, state_pass="parallel")
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="scan_unroll"):
+            run_recurrence(q, k, v, g, b, delta_rule=True, impl="naive", scan_unroll=bad)
+    with pytest.raises(ValueError, match="state_pass"):
+        GatedDeltaNet(24, num_heads=2, key_dim=8, value_dim=8, state_pass="x", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="state_pass"):
+        HybridConfig(state_pass="assoc")
+    with pytest.raises(ValueError, match="state_scan_unroll"):
+        HybridConfig(state_scan_unroll=0)
+
+
+def test_config_state_pass_reaches_every_recurrent_mixer():
+    from dm_jax.models import HybridLM, preset
+
+    for family in ("gdn_gqa", "mamba2_gqa", "kda_gqa"):
+        cfg = preset(family, "tiny", state_pass="associative", state_scan_unroll=4)
+        mixers = [
+            m
+            for _, m in nnx.iter_graph(HybridLM(cfg, rngs=nnx.Rngs(0)))
+            if isinstance(m, (GatedDeltaNet, Mamba2))
+        ]
+        assert mixers and all(
+            (m.state_pass, m.scan_unroll) == ("associative", 4) for m in mixers
+        ), family
 
 
 def test_segments_reset_state():
@@ -103,14 +157,17 @@ def _mamba(impl, rngs):
 
 @pytest.mark.parametrize("make", [_gdn, _mamba, _kda], ids=["gdn", "mamba2", "kda"])
 def test_mixer_layer_chunked_equals_naive(make):
-    """Each layer gives the same output with either form (the gradients of the three rules
-    are compared above, on the recurrence the layers call)."""
+    """Each layer gives the same output with either form and either state pass (the
+    gradients of the three rules are compared above, on the recurrence the layers call)."""
     naive, chunked = make("naive", nnx.Rngs(0)), make("chunked", nnx.Rngs(0))
+    associative = make("chunked", nnx.Rngs(0))
+    associative.state_pass = "associative"
     x = jax.random.normal(jax.random.key(4), (2, 21, 24))
     seg = jnp.array([[0] * 9 + [1] * 12, [0] * 21], jnp.int32)
     fwd = nnx.jit(lambda m, x: m(x, segment_ids=seg))
-    y1, y2 = fwd(naive, x), fwd(chunked, x)
+    y1, y2, y3 = fwd(naive, x), fwd(chunked, x), fwd(associative, x)
     np.testing.assert_allclose(y1, y2, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(y1, y3, atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(y1).max()) > 1e-3
 
 

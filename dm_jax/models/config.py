@@ -21,6 +21,9 @@ period of `pattern`, e.g. 6 x (gdn, gdn, gdn, attn)) run as one `lax.scan`, so X
 the group once; the parameters, and so checkpoints, are the same either way. `remat` picks
 what the backward pass recomputes instead of keeping (`REMAT_POLICIES`): "none" keeps every
 residual, "full" recomputes each layer group, "dots" keeps only matmul outputs.
+`state_pass` ("sequential" lax.scan, `state_scan_unroll` steps per iteration, or
+"associative") picks how the recurrent mixers carry their state across chunks: the same
+math on another schedule (docs/models.md, "Recurrent state passes").
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import jax
 from dm_jax.arms import ARMS, FP8_ARMS, check_arm
 from dm_jax.backends import IMPLEMENTATIONS
 from dm_jax.nn.fp8 import check_scaling
+from dm_jax.nn.recurrence import check_state_pass
 
 MIXER_KINDS = ("gdn", "mamba2", "kda")
 ATTENTION_KINDS = ("attn", "mla")
@@ -79,6 +83,8 @@ class HybridConfig:
     mixer_impl: str = "chunked"
     chunk_size: int = 64
     kda_chunk_size: int = 32  # KDA's chunked form holds [C, C, K] pair decays
+    state_pass: str = "sequential"  # how the chunked form carries the state across chunks
+    state_scan_unroll: int = 1  # the sequential state pass's lax.scan unroll
     # precision scopes: "fp8" | "bf16" (attn_core also "f32" for the reference arm)
     ffn: str = "fp8"
     attn_proj: str | None = None
@@ -112,6 +118,7 @@ class HybridConfig:
             raise ValueError(f"remat: must be one of {tuple(REMAT_POLICIES)}, got {self.remat!r}")
         if self.mixer_impl not in ("chunked", "naive"):
             raise ValueError(f"mixer_impl: must be 'chunked' or 'naive', got {self.mixer_impl!r}")
+        check_state_pass(self.state_pass, self.state_scan_unroll, "state_scan_unroll")
         if "mamba2" in self.pattern and (self.mamba_expand * self.d_model) % self.mamba_head_dim:
             raise ValueError(
                 f"mamba_head_dim: {self.mamba_head_dim} must divide mamba_expand * "

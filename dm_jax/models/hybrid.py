@@ -23,15 +23,20 @@ from dm_jax.nn.mlp import SwiGLU
 
 def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
     d = cfg.d_model
-    linear = dict(
-        num_heads=cfg.linear_num_heads,
-        key_dim=cfg.linear_key_dim,
-        value_dim=cfg.linear_value_dim,
+    recurrent = dict(  # every recurrent mixer: its recurrence's form, dtype, rngs
         conv_width=cfg.conv_width,
         impl=cfg.mixer_impl,
         chunk_size=cfg.chunk_size,
+        state_pass=cfg.state_pass,
+        scan_unroll=cfg.state_scan_unroll,
         dtype=dtype,
         rngs=rngs,
+    )
+    linear = dict(
+        recurrent,
+        num_heads=cfg.linear_num_heads,
+        key_dim=cfg.linear_key_dim,
+        value_dim=cfg.linear_value_dim,
     )
     attn = dict(
         qk_norm=cfg.qk_norm,
@@ -53,11 +58,7 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
             head_dim=cfg.mamba_head_dim,
             state_dim=cfg.mamba_state_dim,
             expand=cfg.mamba_expand,
-            conv_width=cfg.conv_width,
-            impl=cfg.mixer_impl,
-            chunk_size=cfg.chunk_size,
-            dtype=dtype,
-            rngs=rngs,
+            **recurrent,
         ),
         "attn": lambda: GQAttention(
             d, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, **attn

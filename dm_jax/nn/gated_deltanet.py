@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dm_jax.nn.fp8 import Linear, RMSNorm
-from dm_jax.nn.recurrence import init_dt_bias, init_log_A, run_recurrence
+from dm_jax.nn.recurrence import check_state_pass, init_dt_bias, init_log_A, run_recurrence
 from dm_jax.nn.sequence import ShortConv
 
 
@@ -58,7 +58,8 @@ class ConvQKV(nnx.Module):
 
 
 class GatedDeltaNet(nnx.Module):
-    """x_BTD -> y_BTD. `impl` picks the chunked (default) or naive recurrence.
+    """x_BTD -> y_BTD. `impl` picks the chunked (default) or naive recurrence; `chunk_size`,
+    `state_pass` and `scan_unroll` configure the chunked one (`recurrent_chunked`).
 
     Subclasses change the decay gate (`_log_decay`) and output gate (`_output_gate`).
     """
@@ -73,12 +74,16 @@ class GatedDeltaNet(nnx.Module):
         conv_width: int = 4,
         impl: str = "chunked",
         chunk_size: int = 64,
+        state_pass: str = "sequential",
+        scan_unroll: int = 1,
         dtype=jnp.bfloat16,
         rngs: nnx.Rngs,
     ):
+        check_state_pass(state_pass, scan_unroll)
         H, K, V = num_heads, key_dim, value_dim
         self.H, self.K, self.V = H, K, V
         self.impl, self.chunk_size = impl, chunk_size
+        self.state_pass, self.scan_unroll = state_pass, scan_unroll
         self.qkv = ConvQKV(
             d_model,
             num_heads=H,
@@ -120,6 +125,8 @@ class GatedDeltaNet(nnx.Module):
             segment_ids=segment_ids,
             impl=self.impl,
             chunk_size=self.chunk_size,
+            state_pass=self.state_pass,
+            scan_unroll=self.scan_unroll,
         )
         gate = self._output_gate(x_BTD).reshape(B, T, self.H, self.V)
         o = (self.o_norm(o) * gate).astype(x_BTD.dtype).reshape(B, T, self.H * self.V)

@@ -23,8 +23,17 @@ G_r = sum_{s<=r} g_s and pair decays Dec_rj = exp(G_r - G_j) (j <= r):
   S_C  = exp(G_C) * S_0 + sum_j (Dec_Cj * k_j) u_j^T
 
 so everything except the C x C unit-lower-triangular solve and the small state update is a
-dense matmul; a `lax.scan` carries S across chunks (the WY/UT form of DeltaNet's chunked
-algorithm). Document boundaries (segment ids) reset the state: S_{t-1} := 0 whenever
+dense matmul (the WY/UT form of DeltaNet's chunked algorithm). With U_p = (I+A)^-1 diag(b) V,
+W_p = (I+A)^-1 diag(b) (exp(G) * K) and K_end = Dec_C * K, a chunk maps its start state affinely:
+
+  S_C = M S_0 + N,   M = diag(exp(G_C)) - K_end^T W_p  [K, K],   N = K_end^T U_p  [K, V]
+
+(plain rule: W_p = 0, so M is the decay alone). `state_pass` picks how S crosses chunks:
+"sequential" carries it with a `lax.scan` over the N = T / C chunks (`scan_unroll` steps per
+loop iteration); "associative" composes the maps with `lax.associative_scan`,
+(M2, N2) o (M1, N1) = (M2 M1, M2 N1 + N2), log2(N) levels of batched matmuls instead of N
+dependent steps, at the price of K x K products (delta rule; per-channel decay products for
+the plain rule). Both then give o = (exp(G) * Q) S_0 + P (U_p - W_p S_0). Document boundaries (segment ids) reset the state: S_{t-1} := 0 whenever
 segment_t != segment_{t-1}; in the chunked form pairs (r, j) from different documents and
 the carried S_0 for positions past a boundary are masked out. All math runs in float32.
 """
@@ -49,6 +58,18 @@ def _check(q, k, v, g, b, segment_ids):
         raise ValueError(f"beta: expected {(B, T, H)}, got {b.shape}")
     if segment_ids is not None and segment_ids.shape != (B, T):
         raise ValueError(f"segment_ids: expected {(B, T)}, got {segment_ids.shape}")
+
+
+STATE_PASSES = ("sequential", "associative")
+
+
+def check_state_pass(state_pass: str, scan_unroll: int = 1, unroll_name="scan_unroll") -> None:
+    """ValueError naming the argument unless `state_pass` is known and `scan_unroll` >= 1
+    (`unroll_name`: what the caller calls scan_unroll)."""
+    if state_pass not in STATE_PASSES:
+        raise ValueError(f"state_pass: must be one of {STATE_PASSES}, got {state_pass!r}")
+    if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:
+        raise ValueError(f"{unroll_name}: must be an int >= 1, got {scan_unroll!r}")
 
 
 def _boundaries(segment_ids, B, T):
@@ -149,9 +170,17 @@ def recurrent_chunked(
     segment_ids=None,
     initial_state_BHKV=None,
     chunk_size: int = 64,
+    state_pass: str = "sequential",
+    scan_unroll: int = 1,
 ):
-    """Chunked parallel form of `recurrent_naive` (same arguments, same results)."""
+    """Chunked parallel form of `recurrent_naive` (same arguments, same results).
+
+    `state_pass` ("sequential" or "associative") picks how the state crosses chunks (see the
+    module docstring); `scan_unroll` is the sequential scan's `unroll`. Both change the
+    schedule only: the math, and the results up to float rounding, are the same.
+    """
     _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
+    check_state_pass(state_pass, scan_unroll)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T, H, K = q_BTHK.shape
@@ -190,27 +219,65 @@ def recurrent_chunked(
         u_part = L_inv @ (b * v)
         w_part = L_inv @ (b * gam * k)
     else:
-        u_part, w_part = b * v, jnp.zeros_like(k)
+        u_part, w_part = b * v, None  # W_p = 0: U = U_p whatever the start state
     P = _pair(q, k, dec)  # <q_r, Dec_rj k_j>, j <= r
     qg = gam * q
-    k_end = dec[..., -1, :, :] * k  # Dec_Cj * k_j
-    gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # [N, B, H, G, 1]
-
-    def step(S, x):
-        u_p, w_p, P_c, qg_c, k_end_c, gam_end_c = x
-        u = u_p - w_p @ S  # U = (I+A)^-1 (b V) - (I+A)^-1 (b exp(G) K) S_0
-        o = qg_c @ S + P_c @ u
-        S = gam_end_c * S + jnp.swapaxes(k_end_c, -1, -2) @ u
-        return S, o
+    k_end = dec[..., -1, :, :] * k  # K_end = Dec_Cj * k_j: [N, B, H, C, K]
+    gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # exp(G_C): [N, B, H, G, 1] scales rows
 
     S0 = (
         jnp.zeros((B, H, K, V), jnp.float32)
         if initial_state_BHKV is None
         else initial_state_BHKV.astype(jnp.float32)
     )
-    S, o = jax.lax.scan(step, S0, (u_part, w_part, P, qg, k_end, gam_end))
+    if state_pass == "sequential":
+
+        def step(S, x):
+            u_p, w_p, qg_c, P_c, k_end_c, gam_end_c = x
+            u, o = _chunk_out(S, u_p, w_p, qg_c, P_c)
+            return gam_end_c * S + _tmul(k_end_c, u), o
+
+        xs = (u_part, w_part, qg, P, k_end, gam_end)
+        S, o = jax.lax.scan(step, S0, xs, unroll=scan_unroll)
+    else:
+        fold = initial_state_BHKV is not None
+        starts, S = _associative_starts(S0, fold, u_part, w_part, k_end, gam_end)
+        _, o = _chunk_out(starts, u_part, w_part, qg, P)
     o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
     return o, S
+
+
+def _chunk_out(S_KV, u_p, w_p, qg, P):
+    """(U, o) of chunks that start from S: U = U_p - W_p S, o = (exp(G) * Q) S + P U."""
+    u = u_p if w_p is None else u_p - w_p @ S_KV
+    return u, qg @ S_KV + P @ u
+
+
+def _tmul(a_CK, b_CX):
+    """a^T b [K, X], contracting the chunk axis (no transposed copy of a)."""
+    return jnp.einsum("...ck,...cx->...kx", a_CK, b_CX)
+
+
+def _associative_starts(S0, fold, u_p, w_p, k_end, gam_end):
+    """Every chunk's start state [N, B, H, K, V] and the final state, by a parallel prefix
+    over the chunks' affine maps S -> M S + N (the initial state S0 folded into the first
+    map's N when `fold`; otherwise S0 is zero)."""
+    if w_p is None:  # M = diag(exp(G_C)): keep only the decays [G, 1] (scalar or per row)
+        M = gam_end
+        apply = jnp.multiply
+    else:  # M = diag(exp(G_C)) - K_end^T W_p
+        M = gam_end * jnp.eye(k_end.shape[-1], dtype=k_end.dtype) - _tmul(k_end, w_p)
+        apply = jnp.matmul
+    Nc = _tmul(k_end, u_p)
+    if fold:
+        Nc = Nc.at[0].add(apply(M[0], S0))
+
+    def compose(first, then):  # (M2, N2) o (M1, N1) = (M2 M1, M2 N1 + N2)
+        (M1, N1), (M2, N2) = first, then
+        return apply(M2, M1), apply(M2, N1) + N2
+
+    _, ends = jax.lax.associative_scan(compose, (M, Nc))
+    return jnp.concatenate([S0[None], ends[:-1]]), ends[-1]
 
 
 IMPLEMENTATIONS = {"chunked": recurrent_chunked, "naive": recurrent_naive}
@@ -227,13 +294,27 @@ def run_recurrence(
     segment_ids=None,
     impl: str = "chunked",
     chunk_size: int = 64,
+    state_pass: str = "sequential",
+    scan_unroll: int = 1,
 ):
-    """Dispatch to the chunked (default) or naive form; returns o_BTHV in float32."""
+    """Dispatch to the chunked (default) or naive form; returns o_BTHV in float32.
+
+    chunk_size, state_pass and scan_unroll configure the chunked form (the naive form has
+    none; they are still checked).
+    """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
-    kw = {"chunk_size": chunk_size} if impl == "chunked" else {}
+    check_state_pass(state_pass, scan_unroll)
+    kw = dict(chunk_size=chunk_size, state_pass=state_pass, scan_unroll=scan_unroll)
     o, _ = IMPLEMENTATIONS[impl](
-        q, k, v, log_decay, beta, delta_rule=delta_rule, segment_ids=segment_ids, **kw
+        q,
+        k,
+        v,
+        log_decay,
+        beta,
+        delta_rule=delta_rule,
+        segment_ids=segment_ids,
+        **(kw if impl == "chunked" else {}),
     )
     return o
 
