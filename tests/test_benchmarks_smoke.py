@@ -17,6 +17,7 @@ from benchmarks import (
     ncu_hotspots,
     passes,
     quantize_speed,
+    recurrence_speed,
 )
 
 
@@ -252,3 +253,23 @@ def test_quantize_speed_script_smoke(tmp_path):
         (8, "backward_quantize"),
     ]
     assert all(r["bitwise_same_as_first"] and r["gb_per_s"] > 0 for r in rows)
+
+
+def test_recurrence_speed_script_tiny(tmp_path):
+    """Each state pass times and matches the first variant at the tiny shape; variants past
+    the time budget are skipped and say so (the reference always runs)."""
+    argv = ["--shape", "tiny", "--iters", "1", "--reps", "1", "--out", str(tmp_path)]
+    variants = ["--chunks", "8", "--variants", "sequential,associative,unroll4"]
+    assert recurrence_speed.main(argv + variants) == 0
+    result = json.load(open(tmp_path / "recurrence_speed_tiny.json"))
+    assert result["reference"] == "sequential C=8"
+    assert [r["variant"] for r in result["rows"]] == ["sequential", "associative", "unroll4"]
+    for r in result["rows"]:
+        assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["max_abs_o"] > 1e-2
+        assert max(r["diff_o"], r["diff_state"], r["diff_grads"]) < 1e-5
+    skipped = ["--chunks", "16", "--variants", "sequential,unroll16", "--budget", "0"]
+    assert recurrence_speed.main(argv + skipped) == 0
+    rows = json.load(open(tmp_path / "recurrence_speed_tiny.json"))["rows"]
+    assert rows[0]["diff_o"] == 0 and rows[1] == dict(
+        chunk=16, variant="unroll16", error="skipped: time budget"
+    )
