@@ -23,26 +23,22 @@ def _run(*args, timeout=400):
     )
 
 
-def test_cli_trains_the_default_hybrid_and_plots(tmp_path):
+def test_cli_trains_the_default_hybrid_plots_and_resumes_bit_exact(tmp_path):
+    """One cold `python -m train` run (its compiled programs land in the suite's compilation
+    cache) serves both checks: what a run writes and plots, and that a run stopped at step 2
+    and resumed from its checkpoint repeats it bit for bit."""
     run_dir = tmp_path / "run"
+    common = ["--steps", "4", "--batch-size", "2", "--seq-len", "64", "--log-every", "1"]
+    common += ["--optimizer", "muon", "--ckpt-every", "2"]
     proc = _run(
         "train",
-        "--steps",
-        "4",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "64",
-        "--log-every",
-        "1",
+        *common,
         "--eval-every",
         "4",
         "--eval-batches",
         "1",
         "--probe-every",
         "2",
-        "--optimizer",
-        "muon",
         "--run-dir",
         str(run_dir),
     )
@@ -67,6 +63,37 @@ def test_cli_trains_the_default_hybrid_and_plots(tmp_path):
         "residual.png",
         "top_share.png",
     ]
+
+    # The same run stopped at step 2 and resumed repeats it bit for bit; without validation
+    # or probes, which must not change what the run trains either.
+    common += ["--eval-every", "0", "--probe-every", "0"]
+    half_dir = tmp_path / "b"
+    half = _run("train", *common, "--stop-at", "2", "--run-dir", str(half_dir))
+    assert half.returncode == 0, half.stderr[-3000:]
+    refused = _run("train", *common, "--run-dir", str(half_dir))  # no --resume: refused
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    resumed = _run("train", "--resume", "--run-dir", str(half_dir))  # the saved flags
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = lambda d: [
+        (r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(d / "metrics.jsonl"))
+    ]  # noqa: E731
+    assert rows(run_dir) == rows(half_dir) and len(rows(run_dir)) == 4
+    # The checkpoint holds the model's parameters under their names: orbax alone reads it.
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from train import loop
+
+    named = ocp.StandardCheckpointer().restore(str(half_dir / "checkpoints" / "4" / "params"))
+    model, _ = loop.load_model(str(half_dir))
+    np.testing.assert_array_equal(
+        named["layers"]["3"]["mixer"]["q_norm"]["scale"],
+        np.asarray(model.layers[3].mixer.q_norm.scale.get_value()),
+    )
+    np.testing.assert_array_equal(
+        named["embed"]["embedding"], np.asarray(model.embed.embedding.get_value())
+    )
+    assert len(jax.tree.leaves(named)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 @pytest.mark.parametrize(
@@ -202,53 +229,6 @@ def test_presets_and_arms_resolve():
     a, b = tiny, config_lib.parse_args(["--run-dir", "x", "--attention", "reference"])
     diff = {k for k in a.compat_dict() if a.compat_dict()[k] != b.compat_dict()[k]}
     assert diff == {"model"} and a.seed == b.seed
-
-
-def test_cli_resume_is_bit_exact_with_the_hybrid(tmp_path):
-    common = [
-        "--steps",
-        "4",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "32",
-        "--log-every",
-        "1",
-        "--eval-every",
-        "0",
-        "--probe-every",
-        "0",
-        "--ckpt-every",
-        "2",
-    ]
-    straight = _run("train", *common, "--run-dir", str(tmp_path / "a"))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    half = _run("train", *common, "--stop-at", "2", "--run-dir", str(tmp_path / "b"))
-    assert half.returncode == 0, half.stderr[-3000:]
-    refused = _run("train", *common, "--run-dir", str(tmp_path / "b"))  # no --resume: refused
-    assert refused.returncode == 2 and "--resume" in refused.stderr
-    resumed = _run("train", "--resume", "--run-dir", str(tmp_path / "b"))  # the saved flags
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    rows = lambda d: [
-        (r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(d / "metrics.jsonl"))
-    ]  # noqa: E731
-    assert rows(tmp_path / "a") == rows(tmp_path / "b") and len(rows(tmp_path / "a")) == 4
-    # The checkpoint holds the model's parameters under their names: orbax alone reads it.
-    import orbax.checkpoint as ocp
-    from flax import nnx
-
-    from train import loop
-
-    named = ocp.StandardCheckpointer().restore(str(tmp_path / "b" / "checkpoints" / "4" / "params"))
-    model, _ = loop.load_model(str(tmp_path / "b"))
-    np.testing.assert_array_equal(
-        named["layers"]["3"]["mixer"]["q_norm"]["scale"],
-        np.asarray(model.layers[3].mixer.q_norm.scale.get_value()),
-    )
-    np.testing.assert_array_equal(
-        named["embed"]["embedding"], np.asarray(model.embed.embedding.get_value())
-    )
-    assert len(jax.tree.leaves(named)) == len(jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 _LONG_STEP = """
