@@ -1,6 +1,7 @@
 """`python -m train.profile_step`: a profiled step summarised by layer kind and op class."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,8 @@ def test_summary_of_a_profiled_function(tmp_path):
     assert "| mixer |" in md and "| host |" in md
 
 
-def test_profile_step_writes_json_and_markdown(tmp_path, capsys):
+def test_profile_step_writes_json_and_markdown(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "")  # main() turns CUDA command buffers off in it
     out = tmp_path / "prof"
     argv = ["--preset", "gqa-tiny", "--batch-size", "2", "--seq-len", "64", "--scan-layers", "on"]
     argv += ["--out", str(out)]
@@ -62,6 +64,7 @@ def test_profile_step_writes_json_and_markdown(tmp_path, capsys):
     assert classes.get("other", [0, 0])[1] < 0.3  # nearly every operation has its scope
     assert payload["scan_layers"] and payload["tokens_per_s"] > 0 and payload["mfu"] is None
     assert payload["compile_seconds"] > 0
+    assert payload["xla_flags"] == "--xla_gpu_enable_command_buffer="
     md = (out / "profile.md").read_text()
     assert "| attention_core |" in md and "the bound on any attention speed-up" in md
     assert "tokens/s" in capsys.readouterr().out
@@ -87,3 +90,15 @@ def test_op_events_read_a_gpu_style_timeline_and_skip_enclosing_loops():
     assert summary["by_op_class"]["mixer"][0] == pytest.approx(4e-6)
     assert summary["by_op_class"]["optimizer"][0] == pytest.approx(3e-6)
     assert summary["host_s"] == pytest.approx(3e-6)
+
+
+def test_command_buffers_off_keeps_other_xla_flags(monkeypatch):
+    """On a GPU the trace names a command buffer, not its kernels: --command-buffers off
+    (the default) adds the flag that turns them off, keeping the user's other flags and
+    leaving a command-buffer setting of the user's alone."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    profile_step._disable_command_buffers()
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x --xla_gpu_enable_command_buffer="
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+    profile_step._disable_command_buffers()
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"

@@ -9,6 +9,11 @@ batch, sequence length, --scan-layers, --remat, ...), compiles the step (timed),
     DIR/profile.md     the same as markdown tables
     DIR/trace/         the raw profile (TensorBoard / Perfetto / xprof)
 
+On a GPU, XLA runs runs of kernels as CUDA command buffers (graphs), which the trace shows
+as one `command_buffer_N` event with no operation names; `--command-buffers off` (the
+default here) turns them off so every kernel is attributed to its layer and op class. The
+step then pays one launch per kernel, so its time is an upper bound on the training run's.
+
 Example (one H200, a few minutes):
 
     python -m train.profile_step --preset 569m --seq-len 4096 --batch-size 8 \\
@@ -40,6 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="directory for profile.json, .md and trace/")
     p.add_argument("--warmup", type=int, default=2, help="steps run before profiling")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled")
+    p.add_argument(
+        "--command-buffers",
+        choices=("on", "off"),
+        default="off",
+        help="XLA's CUDA command buffers; off names every kernel in the trace (default off)",
+    )
     return p
 
 
@@ -96,6 +107,7 @@ def profile(cfg, *, out: str, warmup: int = 2, steps: int = 3) -> dict:
         scan_layers=model.config.scan_layers,
         remat=model.config.remat,
         devices=jax.device_count(),
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
         compile_seconds=compile_s,
         compile_cache=events.describe(),
         tokens_per_s=tokens_per_s,
@@ -126,8 +138,17 @@ def _write(out: str, payload: dict) -> None:
     print(md)
 
 
+def _disable_command_buffers() -> None:
+    """Must run before jax starts its backend: XLA reads XLA_FLAGS once, at start-up."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_gpu_enable_command_buffer" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_command_buffer=").strip()
+
+
 def main(argv=None) -> int:
     args, train_argv = _parser().parse_known_args(argv)
+    if args.command_buffers == "off":
+        _disable_command_buffers()
     if "--run-dir" not in train_argv:  # nothing is written there; parse_args wants one
         train_argv += ["--run-dir", os.path.join(tempfile.gettempdir(), "profile_step_unused")]
     cfg = config.parse_args(train_argv)
