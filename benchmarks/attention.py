@@ -74,6 +74,10 @@ def arms(case: Case, implementation="pallas"):
     for delta in ("matched", "stale"):  # each backend on its own, whatever "pallas" picks
         out[f"triton_fp8_{delta}"] = ours(delta, "fp8", backend="triton")
         out[f"mosaic_fp8_{delta}"] = ours(delta, "fp8", backend="mosaic")
+        # dQ by TMA reduce-add from the dK/dV pass (no dQ pass; not bitwise reproducible)
+        out[f"mosaic_fp8_{delta}_dq_key_pass"] = ours(
+            delta, "fp8", backend="mosaic", config=MosaicConfig(backward_dq="key_pass")
+        )
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)

@@ -17,6 +17,10 @@
 #   bash benchmarks/h200_mosaic.sh headline # correctness at D=128 (causal and not), 256 and
 #                                          # 192/128; the backward passes; fwd+bwd of every
 #                                          # head dim beside cuDNN BF16, causal D=128 + cuDNN FP8
+#   bash benchmarks/h200_mosaic.sh dqkeys  # dQ from the dK/dV pass (backward_dq="key_pass"):
+#                                          # against the dQ pass at every head dim, causal and
+#                                          # not; fwd+bwd at D=128 beside the dQ pass, cuDNN BF16
+#   bash benchmarks/h200_mosaic.sh dqwide  # the same fwd+bwd at D=64, 256 and 192/128
 #   bash benchmarks/h200_mosaic.sh profile # Nsight Compute's per-instruction stall samples of
 #                                          # the dK/dV and dQ passes (SASS, hottest first)
 set -u
@@ -103,6 +107,23 @@ headline)
     --out "$W" > "$W/attention_causal.log" 2>&1
   echo "attention causal: exit $?"
   grep "^| [a-z0-9_]* | [a-z]" "$W/attention_causal.log"
+  ;;
+dqkeys)
+  timeout 250 python3 benchmarks/dq_key_pass.py --out "$W" > "$W/dq_key_pass.log" 2>&1
+  echo "dq_key_pass: exit $?"
+  grep "^|" "$W/dq_key_pass.log"
+  timeout 280 python3 benchmarks/attention.py --causal both --shapes main --iters 5 --reps 3 \
+    --budget 240 --arms mosaic_fp8_matched,mosaic_fp8_matched_dq_key_pass,cudnn_bf16 \
+    --tag _dq_key_pass --out "$W" > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  tail -12 "$W/attention.log"
+  ;;
+dqwide)
+  timeout 420 python3 benchmarks/attention.py --causal 0 --shapes d64,d256,d192_128 --iters 5 \
+    --reps 3 --budget 380 --arms mosaic_fp8_matched,mosaic_fp8_matched_dq_key_pass,cudnn_bf16 \
+    --tag _dq_key_pass_wide --out "$W" > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  tail -12 "$W/attention.log"
   ;;
 profile)
   for pass in dkdv_pass dq_pass; do

@@ -88,7 +88,60 @@ def test_pingpong_backward_lowers_for_cuda(case):
     _export_backward(case, backward_pingpong=True)
 
 
-def _export_backward(case, **config_fields):
+DQ_KEY_PASS_LOWER_CASES = [  # as LOWER_CASES
+    (1, 256, 256, 2, 2, 128, False, False, "matched", 128),
+    (2, 300, 200, 4, 2, 64, True, True, "stale", 128),
+    (1, 256, 256, 2, 1, 256, True, False, "matched", 128),
+    (2, 300, 200, 4, 2, (192, 128), True, True, "matched", 128),
+]
+
+
+@NEEDS_011
+@pytest.mark.parametrize("case", DQ_KEY_PASS_LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_dq_in_key_pass_lowers_for_cuda(case):
+    """``backward_dq="key_pass"``: the key pass with the dQ dot, its 16-bit transpose of
+    dS^ and the TMA reduce-add (no dQ pass launched: the delta pass is the query pass)."""
+    name = "dm_fp8_attention_query_pass_mosaic"
+    with_pass = _export_backward(case, with_stats=False).count(name)
+    assert _export_backward(case, with_stats=False, backward_dq="key_pass").count(name) < with_pass
+
+
+@NEEDS_011
+@pytest.mark.parametrize("causal, hq, hkv", [(True, 1, 1), (False, 4, 2)])
+def test_dq_in_key_pass_equals_the_dq_pass(causal, hq, hkv):
+    """dQ added tile by tile from the dK/dV pass (dS^ read back through its 16-bit
+    transpose, one FP8 dot per tile) equals the dQ pass's up to the order of the f32 sums;
+    dK, dV and delta are bitwise the same. A ragged length (T=192 in 256-token blocks), two
+    key CTAs; causal, or GQA. (Causal GQA hangs jax 0.11.2's GPU interpreter on a 2-core
+    machine; on the H200: benchmarks/dq_key_pass.py.) The interpreter has no reduce-add
+    copy: each warpgroup writes its own partial dQ there, summed after the pass."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t, d = 1, 192, 64
+    ks = jax.random.split(jax.random.PRNGKey(11), 4)
+    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
+    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    spec = _spec(causal, "matched", d)
+    results = []
+    for where in ("pass", "key_pass"):
+        cfg = config.MosaicConfig(fused_quantize=False, backward_dq=where)
+        out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+        results.append(ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True))
+    by_pass, by_keys = results
+    for name in ("dk", "dv", "delta"):
+        assert bool(jnp.all(getattr(by_pass, name) == getattr(by_keys, name))), name
+    assert float(jnp.max(jnp.abs(by_pass.dq))) > 0.1
+    np.testing.assert_allclose(by_keys.dq, by_pass.dq, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_dq_is_checked():
+    with pytest.raises(ValueError, match="backward_dq"):
+        config.MosaicConfig(backward_dq="atomic")
+    assert backward.dq_in_key_pass_fits(128, 128, jnp.bfloat16)
+    assert not backward.dq_in_key_pass_fits(128, 128, jnp.float32)  # the dQ pass runs there
+
+
+def _export_backward(case, with_stats=True, **config_fields):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile = case
@@ -113,16 +166,18 @@ def _export_backward(case, **config_fields):
             spec=_spec(causal, delta, d),  # 64 x 64 dS tiles at every head dim
             config=cfg,
             interpret=False,
-            with_stats=True,
+            with_stats=with_stats,
         )
 
     exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, k, v, out, lse, out, *ids)
     text = exported.mlir_module()
-    for name in ("query_pass", "key_pass"):
-        assert f"dm_fp8_attention_{name}_mosaic" in text
+    assert "dm_fp8_attention_key_pass_mosaic" in text
     shapes = [tuple(a.shape) for a in exported.out_avals]
     assert shapes[:4] == [(b, t, hq, d), (b, s, hkv, d), (b, s, hkv, dv), (b, hq, t)]
-    assert shapes[4:] == [(b, hq, t)] * 4  # the dS row statistics
+    assert shapes[4:] == [(b, hq, t)] * 4 * with_stats  # the dS row statistics
+    if with_stats:
+        assert "dm_fp8_attention_query_pass_mosaic" in text
+    return text
 
 
 TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, delta)

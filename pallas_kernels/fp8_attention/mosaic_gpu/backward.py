@@ -58,6 +58,7 @@ from pallas_kernels.fp8_attention.mosaic_gpu.quantize import BLOCK
 TILE = 64  # tokens per streamed tile and per consumer warpgroup: the dS scale tile
 CTA_TOKENS = WARPGROUPS * TILE
 F32 = jnp.float32
+F16 = jnp.float16
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 MAX_HEAD_DIM = 256
@@ -224,6 +225,31 @@ def _register_dot(a8, b_ref, shape, interpret, a_smem):
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, F32))
+
+
+def _transposed_operand(ds8t, ds_t_smem, to_operand):
+    """dS^ [queries, keys] as the register A operand of the dQ dot, from the key pass'
+    dS^T^ tile [keys, queries] (e4m3, accumulator layout). Hopper has no transposing 8-bit
+    shared-memory store, so the tile goes through a 16-bit one; e4m3 values are exact in
+    f16, so every bit comes back."""
+    ds_t_smem.T[...] = ds8t.astype(F16)
+    ds = plgpu.load(ds_t_smem, (), layout=plgpu.Layout.WGMMA)
+    return to_operand(ds.astype(ds8t.dtype))
+
+
+def _dq_block(k_block, wg, interpret: bool):
+    """The f32 dQ buffer a warpgroup adds into: one for all on the GPU; its own in Pallas'
+    GPU interpreter, which has no reduce-add copy (the partials are summed after)."""
+    return k_block * WARPGROUPS + wg if interpret else 0
+
+
+def _reduce_dq(part, stage, dq_tile, interpret: bool):
+    """dQ tile += part ([64, cols] f32): staged in shared memory once the previous tile's
+    reduce has read it, then one TMA reduce-add (a plain copy in the interpreter)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = part
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, dq_tile, reduction_op=None if interpret else "add")
 
 
 def _stream(load, free, steps, stages: int):
@@ -548,8 +574,10 @@ def key_pass(
     pingpong: bool = False,
     dk_cols=None,
     dv_cols=None,
+    kt8=None,
 ):
-    """dK and dV, summed over each kv head's query heads.
+    """dK and dV, summed over each kv head's query heads; with ``kt8`` also dQ's columns
+    ``dk_cols``, added into an f32 dQ tile by tile (:func:`_reduce_dq`).
 
     Args:
       q8 [B, Hq, Tp, Dqk], do8 [B, Hq, Tp, Dv] e4m3 and their permuted K-major copies
@@ -562,9 +590,14 @@ def key_pass(
       dk_cols, dv_cols: (first, count): the columns of dK and of dV this launch forms
         (default all; a count of 0 for dV forms dK alone). S^T and dP^T always contract
         the whole head dims; each column's sums are those of a launch with every column.
+      kt8 [B, Hkv, Dqk, Sp]: K's permuted K-major copy; given, the pass also forms dQ
+        (``dk_cols``' columns): dQ_i += (dS^ K8) (sm_scale / s inv_k) per tile, the query
+        pass' dot, with dS^ read back transposed (:func:`_transposed_operand`) and each
+        tile added to global memory by a TMA reduce-add. Not deterministic: the key
+        blocks' adds land in any order.
     Returns:
       dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
-      layout); dV is None for a count of 0.
+      layout); dV is None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
     """
     b, hq, tp, dqk = q8.shape
     hkv, sp, dv = k8.shape[1], k8.shape[2], v8.shape[3]
@@ -573,8 +606,8 @@ def key_pass(
         raise ValueError(
             f"dk_cols / dv_cols: 1-{MAX_COLUMNS} and 0-{MAX_COLUMNS} columns, got {ck}, {cv}"
         )
-    want_dv = cv > 0
-    stages = fitting(stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype))
+    want_dv, want_dq = cv > 0, kt8 is not None
+    stages = fitting(stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype, want_dq))
     group = hq // hkv
     n_q = tp // TILE
     every_tile = mask.segments or _padded(mask, tp, sp)
@@ -583,15 +616,21 @@ def key_pass(
 
     def kernel(q_ref, qt_ref, do_ref, dot_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
         rest = list(rest)
+        kt_ref = rest.pop(0) if want_dq else None
         qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
+        dq_ref = rest.pop(0) if want_dq else None  # f32 dQ, zeros before the pass
         dk_ref = rest.pop(0)
         dv_ref = rest.pop(0) if want_dv else None
         (scratch,) = rest
         smem, bars = scratch
-        k_smem2, v_smem2, kvinv_smem, kseg_smem2, dk_smem2, dv_smem2, a_smem2 = smem[:7]
-        red_smem2 = smem[7]
-        q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem = smem[8:]
-        kv_bars, q_bars, qt_bars, do_bars, dot_bars, rows_bars, seg_bars, free, schedule = bars
+        k_smem2, v_smem2, kvinv_smem, kseg_smem2, outs, a_smem2 = smem[:6]
+        # the dK/dV output tiles, written after the loop, share their memory with the
+        # dQ tiles' staging, used only inside it
+        (dk_smem2, dv_smem2), dq_stage2 = outs if want_dq else (outs, None)
+        red_smem2 = smem[6]
+        q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem, kt_smem2, ds_t_smem2 = smem[7:]
+        kv_bars, q_bars, qt_bars, do_bars, dot_bars, rows_bars, seg_bars, free = bars[:8]
+        schedule, dq_done = bars[8:]
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
         k_block, wg = lax.axis_index("k_seq"), lax.axis_index("wg")
         turns = _Schedule(schedule, wg)  # both warpgroups step through every query tile
@@ -617,6 +656,8 @@ def key_pass(
             ]
             if mask.segments:
                 copies.append((kvseg_ref.at[batch, keys], kseg_smem2.at[wg]))
+            if want_dq:
+                copies.append((kt_ref.at[batch, kv_head, pl.ds(dk0, ck), keys], kt_smem2.at[wg]))
             for n, (src, dst) in enumerate(copies):
                 plgpu.copy_gmem_to_smem(src, dst, kv_bars.at[n * WARPGROUPS + wg])
             for n in range(len(copies)):
@@ -656,9 +697,9 @@ def key_pass(
                 pt = jnp.exp2(s2 - lax.broadcast_in_dim(lse2, s2.shape, [1]))
                 dpt = dpt * _rows(inv_do * inv_v, dpt.shape)
                 dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
-                ds8, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
+                ds8t, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
                 p8 = to_operand(numerics.cast_probabilities(pt, "fp8")) if want_dv else None
-                p8, ds8, amax, dk, dv_acc = turns.arrive((p8, to_operand(ds8), amax, dk, dv_acc))
+                p8, ds8, amax, dk, dv_acc = turns.arrive((p8, to_operand(ds8t), amax, dk, dv_acc))
                 a_smem = a_smem2.at[wg] if interpret else None
                 if want_dv:
                     plgpu.barrier_wait(dot_bars.at[slot])
@@ -671,7 +712,16 @@ def key_pass(
                 part = _register_dot(ds8, qt_smem.at[slot].T, (TILE, ck), interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 shape = part.shape
-                return dk + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_q, shape)), dv_acc
+                dk = dk + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_q, shape))
+                if want_dq:
+                    head, _ = locate(n)
+                    ds8 = _transposed_operand(ds8t, ds_t_smem2.at[wg], to_operand)
+                    part = _register_dot(ds8, kt_smem2.at[wg].T, (TILE, ck), interpret, a_smem)
+                    part = part * ((sm_scale / _scale(amax, shape)) * _rows(inv_k, shape))
+                    dq_tile = dq_ref.at[_dq_block(k_block, wg, interpret), batch]
+                    rows_ = pl.ds(i * TILE, TILE)
+                    _reduce_dq(part, dq_stage2.at[wg], dq_tile.at[rows_, head], interpret)
+                return dk, dv_acc
 
             def head_steps(g, carry):
                 # causal (no padding, no segments): the first two query tiles of each head
@@ -693,6 +743,12 @@ def key_pass(
             init = (zeros(ck), zeros(cv) if want_dv else None)
             dk, dv_acc = lax.fori_loop(0, group, head_steps, init)
             turns.finish()
+            if want_dq:
+                # the output tiles reuse the dQ staging of both warpgroups (one's dV tile
+                # lies on the other's staging): both finish their last reduce's reads first
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                plgpu.barrier_arrive(dq_done)
+                plgpu.barrier_wait(dq_done)
             dk_smem2.at[wg][...] = dk.astype(out_dtype)
             if want_dv:
                 dv_smem2.at[wg][...] = dv_acc.astype(out_dtype)
@@ -728,15 +784,21 @@ def key_pass(
     segs = mask.segments
 
     def dm_fp8_attention_key_pass_mosaic(*refs):  # the kernel's name in profiles
+        outs = (
+            plgpu.SMEM((WARPGROUPS, TILE, ck), out_dtype, transforms=out_transforms(out_dtype)),
+            plgpu.SMEM((WARPGROUPS, TILE, cv), out_dtype, transforms=out_transforms(out_dtype))
+            if want_dv
+            else None,
+        )
+        if want_dq:
+            stage = plgpu.SMEM((WARPGROUPS, TILE, ck), F32, transforms=out_transforms(F32))
+            outs = plgpu.RefUnion(outs, stage)
         smem = (
             plgpu.SMEM((WARPGROUPS, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((WARPGROUPS, TILE, dv), fp8, transforms=fp8_transforms(dv)),
             plgpu.SMEM((WARPGROUPS, 3, TILE), F32),
             plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if segs else None,
-            plgpu.SMEM((WARPGROUPS, TILE, ck), out_dtype, transforms=out_transforms(out_dtype)),
-            plgpu.SMEM((WARPGROUPS, TILE, cv), out_dtype, transforms=out_transforms(out_dtype))
-            if want_dv
-            else None,
+            outs,
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
             plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
@@ -747,10 +809,17 @@ def key_pass(
             else None,
             plgpu.SMEM((stages, ROWS, TILE), F32),
             plgpu.SMEM((stages, TILE), jnp.int32) if segs else None,
+            # dQ: this warpgroup's K^T tile, and dS^'s transpose in 16 bits
+            plgpu.SMEM((WARPGROUPS, ck, TILE), fp8, transforms=fp8_transforms(TILE))
+            if want_dq
+            else None,
+            plgpu.SMEM((WARPGROUPS, TILE, TILE), F16, transforms=out_transforms(F16))
+            if want_dq
+            else None,
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            plgpu.Barrier(num_barriers=4 * WARPGROUPS),  # K, V, factors and poison, segments
+            plgpu.Barrier(num_barriers=5 * WARPGROUPS),  # K, V, factors and poison, segments, K^T
             plgpu.Barrier(num_barriers=stages),  # Q
             plgpu.Barrier(num_barriers=stages),  # Q^T
             plgpu.Barrier(num_barriers=stages),  # dO
@@ -759,19 +828,28 @@ def key_pass(
             plgpu.Barrier(num_barriers=stages),  # query segment ids
             plgpu.Barrier(num_arrivals=WARPGROUPS, num_barriers=stages),  # slot free
             plgpu.Barrier(num_arrivals=WARPGROUPS) if pingpong else None,  # tensor-core turns
+            plgpu.Barrier(num_arrivals=WARPGROUPS) if want_dq else None,  # dQ staging done
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
 
     args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_aux]
+    args += [kt8] if want_dq else []
     if segs:
         args += [q_seg, kv_seg]
+    if want_dq:  # zeros, added into; in the interpreter one partial dQ per warpgroup's keys
+        blocks = sp // TILE if interpret else 1
+        dq = jax.new_ref(jnp.zeros((blocks, b, tp, hq, ck), F32))
+        args.append(dq)
     out_type = [jax.ShapeDtypeStruct((b, sp, hkv, ck), out_dtype)]
     out_type += [jax.ShapeDtypeStruct((b, sp, hkv, cv), out_dtype)] * want_dv
     grid, grid_names = (hkv, sp // CTA_TOKENS, b), ("heads", "k_seq", "batch")
     outs = warp_specialized_call(
         dm_fp8_attention_key_pass_mosaic, out_type, grid, grid_names, interpret
     )(*args)
-    return outs[0], (outs[1] if want_dv else None)
+    dk, dv_out = outs[0], (outs[1] if want_dv else None)
+    if want_dq:
+        return dk, dv_out, dq[...].sum(axis=0)
+    return dk, dv_out
 
 
 def column_chunks(d: int) -> list[tuple[int, int]]:
@@ -790,14 +868,30 @@ def key_pass_launches(dqk: int, dv: int) -> list[tuple[tuple[int, int], tuple[in
     return list(zip(dk_chunks, dv_chunks + [(0, 0)] * (len(dk_chunks) - len(dv_chunks))))
 
 
-def key_pass_smem(stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype) -> int:
+def key_pass_smem(
+    stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype, with_dq: bool = False
+) -> int:
     """Shared memory of a key-pass CTA forming ck columns of dK and cv of dV: K, V and the
-    output tiles per consumer warpgroup, Q, Q^T's ck rows, dO, dO^T's cv rows per stage."""
+    output tiles per consumer warpgroup, Q, Q^T's ck rows, dO, dO^T's cv rows per stage.
+    ``with_dq``: also K^T's ck rows and the 16-bit dS^ transpose per warpgroup, and the
+    f32 dQ staging where it outgrows the output tiles it shares memory with."""
     out = jnp.dtype(out_dtype).itemsize
-    per_wg = TILE * (dqk + dv) + TILE * (ck + cv) * out + 3 * TILE * 4 + TILE * TILE
+    outs = TILE * (ck + cv) * out
+    if with_dq:
+        outs = max(outs, TILE * ck * 4) + ck * TILE + TILE * TILE * 2
+    per_wg = TILE * (dqk + dv) + outs + 3 * TILE * 4 + TILE * TILE
     per_wg += REDUCTION_SCRATCH * 4
     per_stage = TILE * (dqk + dv) + (ck + cv) * TILE + ROWS * TILE * 4 + TILE * 4
     return WARPGROUPS * per_wg + stages * per_stage + 4096
+
+
+def dq_in_key_pass_fits(dqk: int, dv: int, out_dtype) -> bool:
+    """Whether every key-pass launch fits shared memory with dQ in it, one stage at least
+    (not with f32 gradients at head dims 128 and 192/128, nor at 256)."""
+    return all(
+        key_pass_smem(1, dqk, dv, ck, cv, out_dtype, with_dq=True) <= SMEM_BYTES
+        for (_, ck), (_, cv) in key_pass_launches(dqk, dv)
+    )
 
 
 def query_pass_smem(stages: int, dqk: int, dv: int, cq: int, key_tile: int, out_dtype) -> int:
@@ -826,6 +920,7 @@ __all__ = [
     "MAX_HEAD_DIM",
     "TILE",
     "column_chunks",
+    "dq_in_key_pass_fits",
     "key_pass",
     "key_pass_launches",
     "query_pass",

@@ -68,6 +68,7 @@ class Operands(NamedTuple):
     segments: tuple  # (q_seg [B, Tp], kv_seg [B, Sp]) or ()
     kwargs: dict
     delta_key_tile: int = kernels.TILE  # keys per step of the matched-delta pass
+    dq_in_key_pass: bool = False  # dQ by reduce-add from the key pass (no dQ pass)
 
 
 def operands(
@@ -86,6 +87,7 @@ def operands(
     delta_key_tile=128,
     pingpong=False,
     quantize_warps=quantize_kernel.WARPS,
+    dq_in_key_pass=False,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
@@ -109,7 +111,9 @@ def operands(
     k_poison = numerics.poison(k8.nonfinite | v8.nonfinite)
     k_poison = k_poison.reshape(b, hkv, sp // kernels.TILE, kernels.TILE)
     kv_aux = jnp.stack([inv_k, inv_v, k_poison], axis=3)
-    return Operands(q8, k8, v8, do8, kv_aux, q_poison, lse2, segments, kwargs, delta_key_tile)
+    return Operands(
+        q8, k8, v8, do8, kv_aux, q_poison, lse2, segments, kwargs, delta_key_tile, dq_in_key_pass
+    )
 
 
 def query_rows(ops: Operands, delta_p):
@@ -150,12 +154,21 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
     """(dQ [B, Tp, Hq, Dqk], dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv], stats), padded;
     stats: the dS row statistics [B, Hq, 4, Tp] with ``with_stats``, else None. A pass
     left out of ``passes`` gives None (the benchmarks time each pass on its own). Head
-    dims over 128: one launch per column chunk, concatenated."""
+    dims over 128: one launch per column chunk, concatenated. With ``ops.dq_in_key_pass``
+    the key pass forms dQ too (``passes`` naming "dkdv"), except with ``with_stats`` (the
+    statistics come from the dQ pass) or where that key pass does not fit shared memory
+    (:func:`.backward.dq_in_key_pass_fits`): there the dQ pass runs."""
     rows = query_rows(ops, delta_p)
     q_dtype, kv_dtype = out_dtypes
     dqk, dv_dim = ops.q8.values.shape[-1], ops.v8.values.shape[-1]
+    dq_from_keys = (
+        ops.dq_in_key_pass
+        and not with_stats
+        and "dkdv" in passes
+        and kernels.dq_in_key_pass_fits(dqk, dv_dim, kv_dtype)
+    )
     dq = stats = dk = dv = None
-    if "dq" in passes:
+    if "dq" in passes and not dq_from_keys:
         parts = []
         for n, cols in enumerate(kernels.column_chunks(dqk)):
             stats_here = with_stats and n == 0  # every chunk forms the same dS
@@ -166,9 +179,9 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
             parts.append(part)
         dq = _concat(parts)
     if "dkdv" in passes:
-        dk_parts, dv_parts = [], []
+        dk_parts, dv_parts, dq_parts = [], [], []
         for dk_cols, dv_cols in kernels.key_pass_launches(dqk, dv_dim):
-            dk_part, dv_part = kernels.key_pass(
+            parts = kernels.key_pass(
                 ops.q8.values,
                 ops.q8.values_t,
                 ops.do8.values,
@@ -181,11 +194,14 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
                 out_dtype=kv_dtype,
                 dk_cols=dk_cols,
                 dv_cols=dv_cols,
+                kt8=ops.k8.values_t if dq_from_keys else None,
                 **ops.kwargs,
             )
-            dk_parts.append(dk_part)
-            dv_parts += [dv_part] if dv_part is not None else []
+            dk_parts.append(parts[0])
+            dv_parts += [parts[1]] if parts[1] is not None else []
+            dq_parts += [parts[2].astype(q_dtype)] if dq_from_keys else []
         dk, dv = _concat(dk_parts), _concat(dv_parts)
+        dq = _concat(dq_parts) if dq_from_keys else dq
     return dq, dk, dv, stats
 
 

@@ -46,7 +46,14 @@ class MosaicConfig:
     (`benchmarks/mosaic_backward.py --pingpong 0,1`, docs/mosaic_gpu.md).
     ``quantize_warps``: warps per program of the fused quantize kernel (one [128, D] tile
     each): 4, the backward pre-pass's best on the H200 (0.373 against 0.397-0.399 ms with 8
-    or 16; the forward's 0.251 against 0.222 with 16: ``benchmarks/quantize_speed.py``)."""
+    or 16; the forward's 0.251 against 0.222 with 16: ``benchmarks/quantize_speed.py``).
+    ``backward_dq``: where the Mosaic backward forms dQ. ``"pass"`` (default): its own
+    pass over the key tiles of each query block, deterministic. ``"key_pass"``: inside the
+    dK/dV pass, one more FP8 dot per tile whose [64, D] f32 result is added to dQ in global
+    memory by a TMA reduce-add; this drops the dQ pass and its recomputed S and dP^ dots,
+    but the adds of the key blocks land in any order, so dQ is not bitwise reproducible
+    run to run (the same numerics otherwise; the dS statistics of ``with_stats`` still run
+    the dQ pass)."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -57,6 +64,7 @@ class MosaicConfig:
     backward_pingpong: bool = False
     backward_wide_heads: bool = True
     quantize_warps: int = quantize_kernel.WARPS
+    backward_dq: str = "pass"
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):
@@ -64,6 +72,8 @@ class MosaicConfig:
                 raise ValueError(f"{name} must be in [1, 4], got {getattr(self, name)}")
         if self.quantize_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"quantize_warps must be 1, 2, 4, 8 or 16, got {self.quantize_warps}")
+        if self.backward_dq not in ("pass", "key_pass"):
+            raise ValueError(f"backward_dq must be 'pass' or 'key_pass', got {self.backward_dq!r}")
         if self.delta_key_tile not in (64, 128):
             raise ValueError(f"delta_key_tile must be 64 or 128, got {self.delta_key_tile}")
 

@@ -108,6 +108,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         delta_key_tile=config.delta_key_tile,
         pingpong=config.backward_pingpong,
         quantize_warps=config.quantize_warps,
+        dq_in_key_pass=config.backward_dq == "key_pass",
     )
 
 
