@@ -4,7 +4,9 @@
 #   bash benchmarks/h200_compile_speed.sh compile ARM   # 569m: first start with a fresh
 #                                                       # compilation cache, then a second start
 #   bash benchmarks/h200_compile_speed.sh fold ARM      # names what XLA constant-folds slowly
-#   bash benchmarks/h200_compile_speed.sh profile ARM   # 569m step profile (profile.json, .md)
+#   bash benchmarks/h200_compile_speed.sh profile ARM   # 569m step profile (profile.json, .md);
+#                                                       # profile_step skips the memory check:
+#                                                       # SIZE="... --remat dots" at batch 8
 #   bash benchmarks/h200_compile_speed.sh unscanned ARM # 569m with --scan-layers off
 #   bash benchmarks/h200_compile_speed.sh remat ARM     # 569m scanned with --remat dots, full
 #   bash benchmarks/h200_compile_speed.sh long          # small at T=8192: cudnn_bf16, matched
