@@ -117,6 +117,7 @@ def test_cli_trains_the_default_hybrid_plots_and_resumes_bit_exact(tmp_path):
         (["--eval-batches", "0"], "--eval-batches"),
         (["--seed", "-1"], "--seed"),
         (["--head-dim", "0"], "--head-dim"),
+        (["--state-scan-unroll", "0"], "--state-scan-unroll"),
         (["--adam-lr-ratio", "0"], "--adam-lr-ratio"),
         (["--weight-decay", "-0.1"], "--weight-decay"),
         (["--warmup", "-1"], "--warmup"),
@@ -191,6 +192,12 @@ def test_resume_takes_the_saved_config(tmp_path):
         ValueError, match=r"model.overrides.attention: 'matched' -> 'stale' \(--attention\)"
     ):
         config_lib.check_compatible(saved, clash)
+    # how the mixers carry state across chunks changes compilation, not the math
+    other_pass = ["--state-pass", "associative", "--state-scan-unroll", "2"]
+    switched = config_lib.parse_args(["--resume", "--run-dir", str(tmp_path)] + other_pass)
+    overrides = dict(switched.model.overrides)
+    assert (overrides["state_pass"], overrides["state_scan_unroll"]) == ("associative", 2)
+    config_lib.check_compatible(saved, switched)
     stopped = dataclasses.replace(saved, stop_at=3)  # --stop-at belongs to one invocation
     stopped.save(str(tmp_path))
     assert config_lib.parse_args(["--resume", "--run-dir", str(tmp_path)]).stop_at is None

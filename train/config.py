@@ -238,7 +238,7 @@ class RunConfig:
     )
     # Model overrides that change how a step is compiled, not the parameters or the math:
     # a run may be resumed with other values.
-    VOLATILE_OVERRIDES = ("scan_layers", "remat")
+    VOLATILE_OVERRIDES = ("scan_layers", "remat", "state_pass", "state_scan_unroll")
 
     def __post_init__(self):
         self.validate()
@@ -482,6 +482,19 @@ def build_parser() -> argparse.ArgumentParser:
         "a GPU, off on a CPU); the same parameters and checkpoints either way",
     )
     a(
+        "--state-pass",
+        default=None,
+        choices=("sequential", "associative"),
+        help="how the linear mixers carry their state across chunks: sequential (default, "
+        "a lax.scan) or associative (a parallel scan); the same math (docs/models.md)",
+    )
+    a(
+        "--state-scan-unroll",
+        type=int,
+        default=None,
+        help="chunks per loop iteration of the sequential state pass (default 1)",
+    )
+    a(
         "--remat",
         default=None,
         choices=tuple(REMAT_POLICIES),
@@ -617,6 +630,8 @@ FLAG_FIELDS = {
     "mixer_impl": ("model.overrides.mixer_impl",),
     "scan_layers": ("model.overrides.scan_layers",),
     "remat": ("model.overrides.remat",),
+    "state_pass": ("model.overrides.state_pass",),
+    "state_scan_unroll": ("model.overrides.state_scan_unroll",),
     "steps": ("steps",),
     "batch_size": ("batch_size",),
     "seq_len": ("seq_len",),
@@ -732,6 +747,11 @@ def _from_args(args) -> RunConfig:
         "--head-dim",
         f"must be positive, got {args.head_dim}",
     )
+    _check(
+        args.state_scan_unroll is None or args.state_scan_unroll >= 1,
+        "--state-scan-unroll",
+        f"must be at least 1, got {args.state_scan_unroll}",
+    )
     tokenizer = args.tokenizer or ("tiktoken" if args.tiktoken else "byte")
     data = DataConfig(
         source=args.data,
@@ -756,6 +776,8 @@ def _from_args(args) -> RunConfig:
         mixer_impl=args.mixer_impl or default_mixer_impl(),
         scan_layers=default_scan_layers() if args.scan_layers is None else onoff[args.scan_layers],
         remat=args.remat,
+        state_pass=args.state_pass,
+        state_scan_unroll=args.state_scan_unroll,
         vocab_size=data_lib.vocab_size(data),
     )
     opt = OptimizerConfig(
