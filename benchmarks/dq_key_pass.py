@@ -12,6 +12,7 @@ key-pass dQ differ (the reduce-add's order changes run to run). Speed: benchmark
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -34,7 +35,7 @@ def grads(case, q, k, v, do, config, implementation):
 
     def loss(q, k, v):
         out = dm_jax.attention(
-            q, k, v, causal=case.causal, delta=case.delta or "matched", precision="fp8",
+            q, k, v, causal=case.causal, delta=case.delta, precision="fp8",
             segment_ids=ids, implementation=implementation, config=config,
         )  # fmt: skip
         return jnp.vdot(out.astype(jnp.float32), do)
@@ -73,8 +74,6 @@ def main(argv=None):
     p.add_argument("--causal", default="0,1")
     p.add_argument("--smoke", action="store_true", help="a tiny shape in interpret mode (CPU)")
     args = p.parse_args(argv)
-    import dataclasses
-
     shapes = dict(BENCH_SHAPES, gqa_seg=GQA_SEGMENTS)
     rows = []
     if args.smoke:

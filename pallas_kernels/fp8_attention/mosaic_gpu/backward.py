@@ -669,7 +669,7 @@ def key_pass(
             def step(n, carry, masked: bool):
                 dk, dv_acc = carry
                 slot = lax.rem(n, stages)
-                _, i = locate(n)
+                head, i = locate(n)
                 _wait_all((q_bars, do_bars, rows_bars), slot)
                 st, dpt = _dots(
                     k_smem,
@@ -712,12 +712,12 @@ def key_pass(
                 part = _register_dot(ds8, qt_smem.at[slot].T, (TILE, ck), interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 shape = part.shape
-                dk = dk + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_q, shape))
+                descale = sm_scale / _scale(amax, shape)  # dS^'s, for dK and dQ alike
+                dk = dk + part * (descale * _rows(inv_q, shape))
                 if want_dq:
-                    head, _ = locate(n)
                     ds8 = _transposed_operand(ds8t, ds_t_smem2.at[wg], to_operand)
                     part = _register_dot(ds8, kt_smem2.at[wg].T, (TILE, ck), interpret, a_smem)
-                    part = part * ((sm_scale / _scale(amax, shape)) * _rows(inv_k, shape))
+                    part = part * (descale * _rows(inv_k, shape))
                     dq_tile = dq_ref.at[_dq_block(k_block, wg, interpret), batch]
                     rows_ = pl.ds(i * TILE, TILE)
                     _reduce_dq(part, dq_stage2.at[wg], dq_tile.at[rows_, head], interpret)
