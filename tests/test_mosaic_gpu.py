@@ -61,6 +61,8 @@ def test_fused_quantize_kernel_is_bitwise_the_xla_pass(shape):
 
     x = jax.random.normal(jax.random.PRNGKey(0), shape) * 3
     x = x.at[0, 5, 1, 3].set(jnp.nan).at[0, 7, 0, 0].set(jnp.inf)
+    # blocks of huge and of denormal values: the scale alone must keep them in range
+    x = x.at[-1, -40:, 0].multiply(1e37).at[0, :100, -1].multiply(1e-42)
     as_f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
     for k_major in (False, True):
         got = quantize_kernel.quantize(x, k_major=k_major, interpret=True)

@@ -45,8 +45,8 @@ class MosaicConfig:
     bitwise the same. Off: slower on the H200 in every pass, the dK/dV pass 1.9x
     (`benchmarks/mosaic_backward.py --pingpong 0,1`, docs/mosaic_gpu.md).
     ``quantize_warps``: warps per program of the fused quantize kernel (one [128, D] tile
-    each): 4, the backward pre-pass's best on the H200 (0.373 against 0.397-0.399 ms with 8
-    or 16; the forward's 0.251 against 0.222 with 16: ``benchmarks/quantize_speed.py``).
+    each): 16, the fastest of 4, 8 and 16 for both pre-passes on the H200 (forward 0.205,
+    backward 0.276 ms at [4, 4096, 16, 128]: ``benchmarks/quantize_speed.py``).
     ``backward_dq``: where the Mosaic backward forms dQ. ``"pass"`` (default): its own
     pass over the key tiles of each query block, deterministic. ``"key_pass"``: inside the
     dK/dV pass, one more FP8 dot per tile whose [64, D] f32 result is added to dQ in global
