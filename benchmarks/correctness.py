@@ -286,6 +286,12 @@ def main(argv=None):
                 None,
             )
         )
+        # the same ragged, packed GQA case through the wide head dims' launches
+        for dqk, dv in ((256, 256), (192, 128)):
+            name = f"T2000_d{dqk}_{dv}_gqa_seg_causal"
+            wide = Case(name, 2, 2000, 2000, 8, 2, dqk, dv, causal=True, segment_len=700)
+            wide_f32 = args.implementation.startswith("mosaic") and max(dqk, dv) > 192
+            plan.append((wide, DELTA_MODES, dict(dtype=jnp.bfloat16) if wide_f32 else None))
         for causal in (False, True):
             for c in gpu_cases(4096, causal, "matched"):
                 # the Mosaic forward's f32 output tile fits shared memory up to D=192

@@ -23,6 +23,12 @@
 #   bash benchmarks/h200_mosaic.sh dqwide  # the same fwd+bwd at D=64, 256 and 192/128
 #   bash benchmarks/h200_mosaic.sh profile # Nsight Compute's per-instruction stall samples of
 #                                          # the dK/dV and dQ passes (SASS, hottest first)
+#   bash benchmarks/h200_mosaic.sh gaps    # every delta mode at D=256 and 192/128 with GQA,
+#                                          # segments and a ragged length; fwd+bwd causal with
+#                                          # stale beside matched and cuDNN BF16
+#   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
+#                                          # (memory throughput, registers, stalls, SASS hotspots;
+#                                          # QWARPS=8: at 8 warps per program)
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false
 MODE=${1:-}
@@ -141,8 +147,36 @@ profile)
     grep -A40 "share by opcode" "$W/$pass.hot.txt" | cut -c1-150
   done
   ;;
+gaps)
+  timeout 230 python3 benchmarks/correctness.py --implementation mosaic --budget 190 \
+    --only T2000_d256_256_gqa_seg_causal,T2000_d192_128_gqa_seg_causal,T4096_d256_256_causal \
+    --out "$W" > "$W/correctness.log" 2>&1
+  echo "correctness: exit $?"
+  grep "^|" "$W/correctness.log"
+  timeout 130 python3 benchmarks/attention.py --shapes main --causal 1 --budget 100 --iters 5 \
+    --reps 3 --arms mosaic_fp8_matched,mosaic_fp8_stale,cudnn_bf16 --tag _causal_stale \
+    --out "$W" > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  grep "^| [a-z0-9_]* | [a-z]" "$W/attention.log"
+  ;;
+qprofile)
+  # launch 1 of each pre-pass is the bitwise check's; profile a timed one of each kind
+  timeout 190 ncu --clock-control none -k "regex:quantize" --launch-skip 7 \
+    --launch-count 2 --set full -f -o "$W/quantize" \
+    python3 benchmarks/quantize_speed.py --warps "${QWARPS:-4}" --iters 2 --reps 1 --out "$W" \
+    > "$W/quantize.ncu.log" 2>&1
+  echo "ncu quantize: exit $?"
+  ncu --import "$W/quantize.ncu-rep" --page source --csv --print-source sass \
+    > "$W/quantize.sass.csv" 2> "$W/quantize.import.err"
+  ncu --import "$W/quantize.ncu-rep" > "$W/quantize.details.txt" 2>&1
+  python3 benchmarks/ncu_hotspots.py "$W/quantize.sass.csv" --top 25 > "$W/quantize.hot.txt" 2>&1
+  grep -E "Duration|Memory Throughput|DRAM Throughput|Registers Per|Achieved Occupancy|Local|Block Limit|Theoretical Occ|Grid Size|Block Size|Dynamic Shared|Static Shared" \
+    "$W/quantize.details.txt" | head -60
+  grep -A22 "share by opcode" "$W/quantize.hot.txt" | cut -c1-150
+  gzip -f "$W/quantize.sass.csv"; rm -f "$W/quantize.ncu-rep"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|wide|headline|levers|profile" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|dqkeys|dqwide|profile|gaps|qprofile" >&2
   exit 2
   ;;
 esac
