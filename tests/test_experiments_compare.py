@@ -21,7 +21,9 @@ def test_arms_share_everything_but_the_attention_arm(tmp_path):
     assert a.model_config.qk_norm is False and b.model_config.qk_norm is False
 
 
-def test_tiny_comparison_end_to_end(tmp_path):
+def test_tiny_comparison_end_to_end_with_packed_documents(tmp_path):
+    """Two arms (one cannot run on a CPU) over documents packed with segment ids: training,
+    every evaluation (greedy RULER decoding included), the report and its plots."""
     out = str(tmp_path / "out")
     argv = [
         "--preset",
@@ -30,6 +32,8 @@ def test_tiny_comparison_end_to_end(tmp_path):
         "matched,cudnn_fp8",
         "--steps",
         "2",
+        "--packing",
+        "segments",
         "--out",
         out,
         "--runs-dir",
@@ -56,37 +60,10 @@ def test_tiny_comparison_end_to_end(tmp_path):
     assert all(0 <= s["exact_match"] <= 1 and s["gold_logprob"] < 0 for s in r["ruler"])
     text = open(os.path.join(out, "report.md")).read()
     assert "| matched | done | 2 |" in text and "| cudnn_fp8 | not run |" in text
+    assert "segments packing" in text
     assert all(
         os.path.exists(os.path.join(out, p)) for p in ("loss.png", "max_gain.png", "top_share.png")
     )
-
-
-def test_document_packing_runs_with_segment_ids(tmp_path):
-    out = str(tmp_path / "out")
-    argv = [
-        "--preset",
-        "tiny",
-        "--arms",
-        "stale",
-        "--steps",
-        "1",
-        "--packing",
-        "segments",
-        "--no-generate",
-        "--ruler-examples",
-        "1",
-        "--out",
-        out,
-        "--runs-dir",
-        str(tmp_path / "runs"),
-        "--no-progress",
-    ]
-    assert compare.main(argv) == 0
-    r = json.load(open(os.path.join(out, "results", "stale.json")))
-    assert r["status"] == "done" and not r["errors"], r
-    assert math.isfinite(r["val_ce"]) and r["residual_ratio_post"]["3"] > 1
-    assert all(math.isnan(s["exact_match"]) and s["gold_logprob"] < 0 for s in r["ruler"])
-    assert "segments packing" in open(os.path.join(out, "report.md")).read()
 
 
 def test_small_preset_is_ready_for_a_gpu(tmp_path):
