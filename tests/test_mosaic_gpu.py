@@ -55,7 +55,7 @@ def test_quantize_pass_matches_the_contract(variant):
     np.testing.assert_array_equal(flagged, [[0, 1, 5]])
 
 
-@pytest.mark.parametrize("shape", [(2, 300, 3, 64), (1, 128, 2, 256)])
+@pytest.mark.parametrize("shape", [(2, 300, 3, 64), (1, 128, 2, 256), (1, 200, 2, 192)])
 def test_fused_quantize_kernel_is_bitwise_the_xla_pass(shape):
     from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
 
@@ -64,6 +64,9 @@ def test_fused_quantize_kernel_is_bitwise_the_xla_pass(shape):
     # blocks of huge and of denormal values: the scale alone must keep them in range
     x = x.at[-1, -40:, 0].multiply(1e37).at[0, :100, -1].multiply(1e-42)
     as_f32 = lambda a: np.asarray(a.astype(jnp.float32))  # noqa: E731
+    # head dims that are not powers of two (192) run in column pieces, not the XLA pass
+    jaxpr = jax.make_jaxpr(lambda x: quantize_kernel.quantize(x, k_major=True, interpret=True))
+    assert "pallas_call" in str(jaxpr(x))
     for k_major in (False, True):
         got = quantize_kernel.quantize(x, k_major=k_major, interpret=True)
         want = mq.quantize(x, k_major=k_major)
@@ -84,8 +87,8 @@ def test_fused_quantize_kernel_lowers_to_triton():
     from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
     from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
-    x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
-    for warps in (4, 8):  # MosaicConfig.quantize_warps: a launch setting
+    for d, warps in ((128, 4), (128, 16), (192, 16)):  # quantize_warps: a launch setting
+        x = jnp.zeros((1, 256, 2, d), jnp.bfloat16)
         quantize = quantize_kernel.quantizer(True, num_warps=warps)
         modules = lower_for_cuda(lambda x: quantize(x, k_major=True), x)
         assert list(modules) == ["dm_fp8_attention_quantize"]

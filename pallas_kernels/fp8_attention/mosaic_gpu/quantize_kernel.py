@@ -10,8 +10,10 @@ and the decode factors. Bitwise the same operands as :func:`.quantize.quantize`.
 
 The tile is read and ``values`` written as plain [128, D] rows (16-byte accesses); the
 regroup's token order is one transpose of the cast tile seen as [8, 2, 4, 2, D] (16-token
-groups split as (h, t, e)): (h, t, e) -> (t, h, e). Head dims must be powers of two
-(Triton blocks); :func:`quantize` falls back to the XLA pass otherwise.
+groups split as (h, t, e)): (h, t, e) -> (t, h, e). Triton blocks are powers of two, so a
+head dim that is not one (MLA's 192) is cut into column pieces of the largest power of two
+dividing it (3 x 64): one program per piece reads every piece of its tile for the shared
+scale (the repeats come from L2) and writes its own.
 """
 
 from __future__ import annotations
@@ -30,26 +32,37 @@ from pallas_kernels.fp8_attention.mosaic_gpu.quantize import BLOCK, ROWS, Mosaic
 GROUPS = BLOCK // 16  # 16-token groups per scale block
 
 
-def _kernel(x_ref, *out_refs, values: bool, k_major: bool):
-    # [128, D] (token, d); non-finite values zeroed and their tokens flagged (quantize.py)
-    raw = x_ref[...].astype(jnp.float32)
-    finite = jnp.abs(raw) < jnp.inf  # False for NaN and Inf alike
-    x = jnp.where(finite, raw, 0.0)
-    scale = numerics.pow2_scale(jnp.max(jnp.abs(x)))  # x is finite: its amax is the finite amax
+def _kernel(*refs, pieces: int, values: bool, k_major: bool):
+    # refs: the tile's ``pieces`` column blocks [128, Dp] (token, d), then (pieces > 1) the
+    # block this program writes, then the outputs. Non-finite values are zeroed and their
+    # tokens flagged (quantize.py).
+    def finite_part(x_ref):
+        raw = x_ref[...].astype(jnp.float32)
+        finite = jnp.abs(raw) < jnp.inf  # False for NaN and Inf alike
+        return finite, jnp.where(finite, raw, 0.0)
+
+    parts = [finite_part(x_ref) for x_ref in refs[:pieces]]
+    # the parts are finite: their amax is the finite amax
+    scale = numerics.pow2_scale(
+        functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x)) for _, x in parts])
+    )
+    x = finite_part(refs[pieces])[1] if pieces > 1 else parts[0][1]
     # numerics.quantize without its clip and NaN code: x is finite and scale is a power of
     # two <= 448 / amax, so |x scale| <= 448 exactly (numerics.quantize_by_own_amax)
     x8 = (x * scale).astype(numerics.FP8_DTYPE)
-    refs = list(out_refs)
+    outs = list(refs[pieces + (pieces > 1) :])
     if values:
-        refs.pop(0)[...] = x8
-    if k_major:  # [8, 2, 4, 2, D] (group, h, t, e, d) -> [D, 8, 4, 2, 2] (d, group, t, h, e)
-        d = x8.shape[-1]
-        grouped = x8.reshape(GROUPS, 2, 4, 2, d)
-        refs.pop(0)[...] = jnp.transpose(grouped, (4, 0, 2, 1, 3)).reshape(d, BLOCK)
+        outs.pop(0)[...] = x8
+    if k_major:  # [8, 2, 4, 2, Dp] (group, h, t, e, d) -> [Dp, 8, 4, 2, 2] (d, group, t, h, e)
+        dp = x8.shape[-1]
+        grouped = x8.reshape(GROUPS, 2, 4, 2, dp)
+        outs.pop(0)[...] = jnp.transpose(grouped, (4, 0, 2, 1, 3)).reshape(dp, BLOCK)
     inv = 1.0 / scale
-    refs.pop(0)[...] = jnp.full((BLOCK,), inv, jnp.float32)
-    refs.pop(0)[...] = jnp.full((ROWS,), inv, jnp.float32)
-    refs.pop(0)[...] = jnp.max(jnp.where(finite, 0, 1), axis=-1).astype(jnp.int32)
+    # every piece's program writes the same factors and flags
+    outs.pop(0)[...] = jnp.full((BLOCK,), inv, jnp.float32)
+    outs.pop(0)[...] = jnp.full((ROWS,), inv, jnp.float32)
+    bad = [jnp.max(jnp.where(finite, 0, 1), axis=-1) for finite, _ in parts]
+    outs.pop(0)[...] = functools.reduce(jnp.maximum, bad).astype(jnp.int32)
 
 
 WARPS = 16  # per program: the fastest of 4, 8, 16 on the H200 (docs/mosaic_gpu.md)
@@ -63,8 +76,13 @@ def quantizer(fused: bool, interpret: bool = False, num_warps: int = WARPS):
     return functools.partial(quantize, interpret=interpret, num_warps=num_warps)
 
 
+def column_piece(d: int) -> int:
+    """The kernel's column block for head dim ``d``: the largest power of two dividing it."""
+    return d & -d
+
+
 def fused_supported(d: int) -> bool:
-    return d >= 16 and d & (d - 1) == 0
+    return column_piece(d) >= 16
 
 
 def quantize(
@@ -75,27 +93,38 @@ def quantize(
     interpret: bool = False,
     num_warps: int = WARPS,
 ) -> MosaicOperand:
-    """:func:`.quantize.quantize` in one kernel (head dims that are powers of two);
-    ``num_warps`` per program changes the speed only."""
+    """:func:`.quantize.quantize` in one kernel (head dims whose largest power-of-two
+    divisor is at least 16; the XLA pass otherwise); ``num_warps`` per program changes the
+    speed only."""
     b, t, h, d = x_BTHD.shape
     if not fused_supported(d):
         return xla_pass.quantize(x_BTHD, values=values, k_major=k_major)
+    dp = column_piece(d)
+    pieces = d // dp
     tp = xla_pass.padded_length(t)
     x = x_BTHD if tp == t else jnp.pad(x_BTHD, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
     n = tp // BLOCK
-    grid = (n, b, h)
-    in_spec = pl.BlockSpec((None, BLOCK, None, d), lambda i, bi, hi: (bi, i, hi, 0))
+    # pieces vary fastest in the launch order: a tile's programs run side by side
+    grid = (pieces, n, b, h)
+
+    def tile(piece=None):  # column block `piece`, or the program's own
+        return pl.BlockSpec(
+            (None, BLOCK, None, dp),
+            lambda p, i, bi, hi: (bi, i, hi, p if piece is None else piece),
+        )
+
+    in_specs = [tile(c) for c in range(pieces)] + ([tile()] if pieces > 1 else [])
     out_specs, out_shape = [], []
     if values:
-        out_specs.append(pl.BlockSpec((None, None, BLOCK, d), lambda i, bi, hi: (bi, hi, i, 0)))
+        out_specs.append(pl.BlockSpec((None, None, BLOCK, dp), lambda p, i, bi, hi: (bi, hi, i, p)))
         out_shape.append(jax.ShapeDtypeStruct((b, h, tp, d), numerics.FP8_DTYPE))
     if k_major:
-        out_specs.append(pl.BlockSpec((None, None, d, BLOCK), lambda i, bi, hi: (bi, hi, 0, i)))
+        out_specs.append(pl.BlockSpec((None, None, dp, BLOCK), lambda p, i, bi, hi: (bi, hi, p, i)))
         out_shape.append(jax.ShapeDtypeStruct((b, h, d, tp), numerics.FP8_DTYPE))
     out_specs += [
-        pl.BlockSpec((None, None, BLOCK), lambda i, bi, hi: (bi, hi, i)),
-        pl.BlockSpec((None, None, None, ROWS), lambda i, bi, hi: (bi, hi, i, 0)),
-        pl.BlockSpec((None, None, BLOCK), lambda i, bi, hi: (bi, hi, i)),
+        pl.BlockSpec((None, None, BLOCK), lambda p, i, bi, hi: (bi, hi, i)),
+        pl.BlockSpec((None, None, None, ROWS), lambda p, i, bi, hi: (bi, hi, i, 0)),
+        pl.BlockSpec((None, None, BLOCK), lambda p, i, bi, hi: (bi, hi, i)),
     ]
     out_shape += [
         jax.ShapeDtypeStruct((b, h, tp), jnp.float32),
@@ -103,15 +132,15 @@ def quantize(
         jax.ShapeDtypeStruct((b, h, tp), jnp.int32),  # token flags
     ]
     outs = pl.pallas_call(
-        functools.partial(_kernel, values=values, k_major=k_major),
+        functools.partial(_kernel, pieces=pieces, values=values, k_major=k_major),
         grid=grid,
-        in_specs=[in_spec],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="dm_fp8_attention_quantize",
-    )(x)
+    )(*[x] * len(in_specs))
     outs = list(outs)
     vals = outs.pop(0) if values else None
     vals_t = outs.pop(0) if k_major else None
