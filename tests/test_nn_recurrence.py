@@ -1,6 +1,7 @@
 """Linear-recurrent mixers: chunked form == naive recurrence (values and gradients), for the
 shared recurrence and for each mixer layer (Gated DeltaNet, Mamba-2, KDA), with each state
-pass across chunks (sequential scan, unrolled or not, and the associative scan)."""
+pass across chunks (sequential scan, unrolled or not, the associative scan and the Pallas
+kernels, in interpret mode)."""
 
 import chex
 import jax
@@ -40,7 +41,7 @@ CASES = {
 
 
 # state passes other than the default sequential scan: (state_pass, scan_unroll)
-PASSES = {"associative": ("associative", 1), "unroll3": ("sequential", 3)}
+PASSES = {"associative": ("associative", 1), "unroll3": ("sequential", 3), "pallas": ("pallas", 1)}
 
 
 @pytest.mark.parametrize("delta_rule,G,packed", CASES.values(), ids=CASES.keys())

@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 from dm_jax.arms import ARM_NAMES as ATTENTION_ARMS
 from dm_jax.backends import IMPLEMENTATIONS
 from dm_jax.nn.fp8 import SCALINGS
+from dm_jax.nn.recurrence import STATE_PASSES
 from dm_jax.models.config import REMAT_POLICIES
 
 DEFAULT_FAMILY = "gdn_gqa"
@@ -484,9 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--state-pass",
         default=None,
-        choices=("sequential", "associative"),
+        choices=STATE_PASSES,
         help="how the linear mixers carry their state across chunks: sequential (default, "
-        "a lax.scan) or associative (a parallel scan); the same math (docs/models.md)",
+        "a lax.scan), associative (a parallel scan) or pallas (one kernel per direction); "
+        "the same math (docs/models.md)",
     )
     a(
         "--state-scan-unroll",

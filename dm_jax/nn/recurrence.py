@@ -33,7 +33,11 @@ W_p = (I+A)^-1 diag(b) (exp(G) * K) and K_end = Dec_C * K, a chunk maps its star
 loop iteration); "associative" composes the maps with `lax.associative_scan`,
 (M2, N2) o (M1, N1) = (M2 M1, M2 N1 + N2), log2(N) levels of batched matmuls instead of N
 dependent steps, at the price of K x K products (delta rule; per-channel decay products for
-the plain rule). Both then give o = (exp(G) * Q) S_0 + P (U_p - W_p S_0). Document boundaries (segment ids) reset the state: S_{t-1} := 0 whenever
+the plain rule). Both then give o = (exp(G) * Q) S_0 + P (U_p - W_p S_0). "pallas" runs the
+sequential steps inside one Pallas kernel per direction with S kept on chip
+(`dm_jax.nn.recurrence_pallas`; compiled on a GPU, interpret mode elsewhere).
+
+Document boundaries (segment ids) reset the state: S_{t-1} := 0 whenever
 segment_t != segment_{t-1}; in the chunked form pairs (r, j) from different documents and
 the carried S_0 for positions past a boundary are masked out. All math runs in float32.
 """
@@ -43,6 +47,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dm_jax.nn.recurrence_pallas import pallas_state_pass
 from dm_jax.nn.sequence import document_starts
 
 
@@ -60,7 +65,7 @@ def _check(q, k, v, g, b, segment_ids):
         raise ValueError(f"segment_ids: expected {(B, T)}, got {segment_ids.shape}")
 
 
-STATE_PASSES = ("sequential", "associative")
+STATE_PASSES = ("sequential", "associative", "pallas")
 
 
 def check_state_pass(state_pass: str, scan_unroll: int = 1, unroll_name="scan_unroll") -> None:
@@ -172,12 +177,15 @@ def recurrent_chunked(
     chunk_size: int = 64,
     state_pass: str = "sequential",
     scan_unroll: int = 1,
+    pallas_config=None,
 ):
     """Chunked parallel form of `recurrent_naive` (same arguments, same results).
 
-    `state_pass` ("sequential" or "associative") picks how the state crosses chunks (see the
-    module docstring); `scan_unroll` is the sequential scan's `unroll`. Both change the
-    schedule only: the math, and the results up to float rounding, are the same.
+    `state_pass` ("sequential", "associative" or "pallas") picks how the state crosses
+    chunks (see the module docstring); `scan_unroll` is the sequential scan's `unroll` (the
+    other passes ignore it); `pallas_config` the pallas pass's launch settings
+    (`pallas_kernels.linear_recurrence.config.StatePassConfig`, None: the defaults). All
+    change the schedule only: the math, and the results up to float rounding, are the same.
     """
     _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
     check_state_pass(state_pass, scan_unroll)
@@ -230,20 +238,32 @@ def recurrent_chunked(
         if initial_state_BHKV is None
         else initial_state_BHKV.astype(jnp.float32)
     )
-    if state_pass == "sequential":
-
-        def step(S, x):
-            u_p, w_p, qg_c, P_c, k_end_c, gam_end_c = x
-            u, o = _chunk_out(S, u_p, w_p, qg_c, P_c)
-            return gam_end_c * S + _tmul(k_end_c, u), o
-
-        xs = (u_part, w_part, qg, P, k_end, gam_end)
-        S, o = jax.lax.scan(step, S0, xs, unroll=scan_unroll)
+    if state_pass == "pallas":
+        o, S = pallas_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, config=pallas_config)
+    elif state_pass == "sequential":
+        o, S = sequential_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, scan_unroll)
     else:
         fold = initial_state_BHKV is not None
         starts, S = _associative_starts(S0, fold, u_part, w_part, k_end, gam_end)
         _, o = _chunk_out(starts, u_part, w_part, qg, P)
     o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
+    return o, S
+
+
+def sequential_state_pass(S0_BHKV, u_p, w_p, qg, P, k_end, gam_end, unroll: int = 1):
+    """(o_NBHCV, final S_BHKV): the chunk steps U = U_p - W_p S, o = qg S + P U,
+    S' = gam_end * S + K_end^T U carried by a `lax.scan` over the N chunks from S0.
+
+    Operands [N, B, H, C, X] (w_p None: the plain rule), gam_end [N, B, H, G, 1]; the
+    reference of `dm_jax.nn.recurrence_pallas.pallas_state_pass`, which takes the same.
+    """
+
+    def step(S, x):
+        u_p_c, w_p_c, qg_c, P_c, k_end_c, gam_end_c = x
+        u, o = _chunk_out(S, u_p_c, w_p_c, qg_c, P_c)
+        return gam_end_c * S + _tmul(k_end_c, u), o
+
+    S, o = jax.lax.scan(step, S0_BHKV, (u_p, w_p, qg, P, k_end, gam_end), unroll=unroll)
     return o, S
 
 

@@ -1,0 +1,140 @@
+"""The "pallas" state pass (one Pallas kernel per direction, `dm_jax.nn.recurrence_pallas`)
+against the sequential `lax.scan` over chunks: outputs, final state and the gradients of
+every chunk operand and of the start state, in Pallas interpret mode; its kernels lowered
+for CUDA at gdn_gqa-569m's shape; its argument checks. (End to end, through
+`recurrent_chunked` with packed documents and T not a multiple of C, the pass is one of the
+state passes of tests/test_nn_recurrence.py.)"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dm_jax.nn.recurrence import sequential_state_pass
+from dm_jax.nn.recurrence_pallas import pallas_state_pass
+from pallas_kernels.linear_recurrence import forward
+from pallas_kernels.linear_recurrence.common import ChunkSteps
+from pallas_kernels.linear_recurrence.config import StatePassConfig
+
+JAX_011 = tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11)
+
+
+def _operands(seed, N, B, H, C, K, V, G, plain):
+    """Chunk operands of stable magnitudes: decays in (0, 1), |K_end^T W_p| well below 1.
+    (numpy's generator: no XLA compile per shape.)"""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal((N, B, H) + shape), jnp.float32)
+    S0 = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+    u_p, qg, P, k_end = normal(C, V), normal(C, K), normal(C, C), normal(C, K)
+    w_p = normal(C, K) * 0.3 / K
+    gam_end = 1 / (1 + jnp.exp(normal(G, 1)))
+    return S0, u_p, None if plain else w_p, qg, P, k_end, gam_end
+
+
+def _assert_close(got, want, name):
+    """Equal up to f32 rounding of sums whose terms reach max|want|: |got - want| <=
+    1e-5 (|want| + max|want|)."""
+    scale = float(jnp.max(jnp.abs(want)))
+    chex.assert_trees_all_close(got, want, atol=1e-5 * scale, rtol=1e-5, custom_message=name)
+
+
+# name: (N, B, H, C, K, V, G, plain, block_v). Kernel-sized dims with two V blocks; odd
+# sizes (zero-padded to 16) with per-channel decays; V padded 40 -> 64 into four V blocks.
+CASES = {
+    "delta_per_head_two_v_blocks": (3, 2, 1, 16, 16, 32, 1, False, 16),
+    "delta_per_channel_padded": (3, 1, 2, 8, 8, 6, 8, False, 64),
+    "plain_per_channel_four_v_blocks": (2, 1, 2, 16, 32, 40, 32, True, 16),
+    "plain_per_head_padded": (3, 2, 1, 5, 8, 6, 1, True, 64),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+def test_pallas_pass_matches_sequential_scan(case):
+    """Outputs, final state and the gradients of all seven inputs (start state included)
+    under random cotangents equal the scan's to f32 rounding, for the delta and plain rules,
+    per-head and per-channel decays, one to four V blocks, padded and kernel-sized dims."""
+    *dims, G, plain, block_v = case
+    N, B, H, C, K, V = dims
+    ops = _operands(0, N, B, H, C, K, V, G, plain)
+    rng = np.random.default_rng(1)
+    w_o = jnp.asarray(rng.standard_normal((N, B, H, C, V)), jnp.float32)
+    w_s = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
+    config = StatePassConfig(block_v=block_v)
+
+    def run(state_pass):
+        def loss(ops):
+            o, S = state_pass(*ops)
+            return jnp.sum(o * w_o) + jnp.sum(S * w_s), (o, S)
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(ops)
+
+    (_, want), want_grads = run(sequential_state_pass)
+    (_, got), got_grads = run(lambda *ops: pallas_state_pass(*ops, config=config))
+    assert float(jnp.max(jnp.abs(want[0]))) > 1.0  # the outputs carry the state
+    _assert_close(got[0], want[0], "o")
+    _assert_close(got[1], want[1], "final state")
+    assert (got_grads[2] is None) == plain
+    names = ("S0", "u_p", "w_p", "qg", "P", "k_end", "gam_end")
+    for name, g, w in zip(names, got_grads, want_grads):
+        if w is not None:
+            _assert_close(g, w, "d" + name)
+
+
+@pytest.mark.skipif(
+    JAX_011,
+    reason=f"the Triton IR capture uses jax 0.10's private lowering; this is jax {jax.__version__}",
+)
+@pytest.mark.parametrize("plain", [False, True], ids=["delta", "plain"])
+def test_kernels_lower_to_triton_at_569m_shape(plain):
+    """Forward and backward lower for CUDA (Triton blocks legal) at gdn_gqa-569m's GDN shape
+    (N 64, B 8, H 8, C 64, K = V = 128), one launch each: 4 dots forward and 4 backward for
+    the delta rule (3 and 3 for the plain rule), all in tf32 unless asked for ieee."""
+    from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
+
+    N, B, H, C, K, V = 64, 8, 8, 64, 128, 128
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    ops = (f32(B, H, K, V), f32(N, B, H, C, V), None if plain else f32(N, B, H, C, K))
+    ops += (f32(N, B, H, C, K), f32(N, B, H, C, C), f32(N, B, H, C, K), f32(N, B, H, 1, 1))
+    for precision in ("tf32", "ieee"):
+        config = StatePassConfig(dot_precision=precision)
+
+        def loss(*ops):
+            o, S = pallas_state_pass(*ops, config=config, interpret=False)
+            return jnp.sum(o) + jnp.sum(S)
+
+        args = [i for i, x in enumerate(ops) if x is not None]
+        modules = lower_for_cuda(jax.grad(loss, argnums=args), *ops)
+        assert sorted(modules) == ["dm_linear_recurrence_backward", "dm_linear_recurrence_forward"]
+        dots = {name.split("_")[-1]: m.count("tt.dot ") for name, m in modules.items()}
+        assert dots == ({"forward": 3, "backward": 3} if plain else {"forward": 4, "backward": 4})
+        for m in modules.values():  # ieee is tt.dot's default, printed as no attribute
+            want = m.count("tt.dot ") if precision == "tf32" else 0
+            assert m.count("inputPrecision = tf32") == want and "inputPrecision = tf32x3" not in m
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="block_v must be a power of two"):
+        StatePassConfig(block_v=48)
+    with pytest.raises(ValueError, match="backward_warps"):
+        StatePassConfig(backward_warps=6)
+    with pytest.raises(ValueError, match="dot_precision"):
+        StatePassConfig(dot_precision="bf16")
+    for dims, match in (
+        ((2, 1, 1, 16, 24, 16), r"K \(key dim\) must be a power of two >= 16, got 24"),
+        ((1, 1, 1, 256, 16, 16), r"C \(chunk\) must be at most 128"),  # compiled only
+    ):
+        S0, u_p, w_p, qg, P, k_end, gam_end = _operands(0, *dims, 1, False)
+        gam_NBHK = jnp.broadcast_to(gam_end[..., 0], k_end.shape[:3] + (dims[4],))
+        steps = ChunkSteps(u_p, w_p, qg, P, k_end, gam_NBHK)
+        with pytest.raises(ValueError, match=match):
+            forward.forward(S0, steps, config=StatePassConfig(), store_states=False)
+
+
+def test_pallas_is_a_state_pass_of_the_model_and_the_trainer():
+    from dm_jax.models import HybridConfig
+    from train import config as config_lib
+
+    assert HybridConfig(state_pass="pallas").state_pass == "pallas"
+    args = config_lib.parse_args(["--run-dir", "x", "--state-pass", "pallas"])
+    assert dict(args.model.overrides)["state_pass"] == "pallas"
