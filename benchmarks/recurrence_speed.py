@@ -6,8 +6,14 @@
 layer of gdn_gqa-569m: B 8, T 4096, 8 heads, K = V = 128, delta rule, one decay per head),
 for each chunk size of the shape and each state pass (--variants):
   sequential   the lax.scan over chunks (the default)
+  pallas       one Pallas kernel per direction, the state on chip (default launch settings)
   associative  lax.associative_scan over the chunks' affine maps
   unroll4/16   the lax.scan with unroll 4 / 16
+  pallas_w4    the pallas pass with 4 warps per program in both directions (default 8)
+  pallas_v32   the pallas pass with V blocks of 32 (default 64) and 4 warps: twice the
+               programs, two per SM
+  pallas_ieee  the pallas pass with full-f32 dots (default tf32, as XLA's f32 matmuls)
+The pallas pass refuses chunks over 128 (shared memory); those rows say "skipped".
 Each is compiled (seconds recorded), run once, then timed: the median over --reps of
 --iters back-to-back calls, forward alone (o and the final state) and forward + backward
 (jax.value_and_grad of sum(o) wrt q, k, v, log_decay, beta). Every row also gives the max
@@ -35,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from dm_jax.nn.recurrence import recurrent_chunked
+from pallas_kernels.linear_recurrence.config import MAX_COMPILED_CHUNK, StatePassConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +63,15 @@ SHAPES = {
     "mamba2": Shape(8, 4096, 32, 128, 64, 1, False, (64, 128, 256)),  # mamba2_gqa-569m
     "tiny": Shape(1, 40, 2, 8, 8, 1, True, (8, 16)),  # CPU check of the script
 }
-VARIANTS = {  # name: (state_pass, scan_unroll)
-    "sequential": ("sequential", 1),
-    "associative": ("associative", 1),
-    "unroll4": ("sequential", 4),
-    "unroll16": ("sequential", 16),
+VARIANTS = {  # name: (state_pass, scan_unroll, pallas launch settings: None for the defaults)
+    "sequential": ("sequential", 1, None),
+    "pallas": ("pallas", 1, None),
+    "associative": ("associative", 1, None),
+    "unroll4": ("sequential", 4, None),
+    "unroll16": ("sequential", 16, None),
+    "pallas_w4": ("pallas", 1, StatePassConfig(forward_warps=4, backward_warps=4)),
+    "pallas_v32": ("pallas", 1, StatePassConfig(block_v=32, forward_warps=4, backward_warps=4)),
+    "pallas_ieee": ("pallas", 1, StatePassConfig(dot_precision="ieee")),
 }
 ARGNAMES = ("q", "k", "v", "log_decay", "beta")
 
@@ -105,10 +116,13 @@ def max_abs_diff(a, b) -> float:
     )
 
 
-def bench_variant(s: Shape, chunk: int, state_pass: str, unroll: int, args, iters, reps):
+def bench_variant(
+    s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, args, iters, reps
+):
     """Row of one variant plus its (forward outputs, gradients) for the checks."""
     kw = dict(delta_rule=s.delta_rule, chunk_size=chunk, state_pass=state_pass)
-    fwd = lambda *a: recurrent_chunked(*a, scan_unroll=unroll, **kw)
+    kw.update(scan_unroll=unroll, pallas_config=pallas_config)
+    fwd = lambda *a: recurrent_chunked(*a, **kw)
     loss = lambda *a: jnp.sum(fwd(*a)[0])
     fwdbwd = jax.value_and_grad(loss, argnums=tuple(range(len(ARGNAMES))))
     fwd_c, fwd_compile = compiled_and_seconds(fwd, args)
@@ -168,6 +182,12 @@ def main(argv=None) -> int:
             row = dict(chunk=chunk, variant=name)
             if ref is not None and time.time() > start + args.budget:
                 rows.append(dict(row, error="skipped: time budget"))
+                continue
+            compiled = jax.default_backend() == "gpu"
+            if VARIANTS[name][0] == "pallas" and compiled and chunk > MAX_COMPILED_CHUNK:
+                rows.append(
+                    dict(row, error=f"skipped: pallas pass needs C <= {MAX_COMPILED_CHUNK}")
+                )
                 continue
             try:
                 result, outputs = bench_variant(s, chunk, *VARIANTS[name], x, args.iters, args.reps)

@@ -265,11 +265,12 @@ def test_recurrence_speed_script_tiny(tmp_path):
     """Each state pass times and matches the first variant at the tiny shape; variants past
     the time budget are skipped and say so (the reference always runs)."""
     argv = ["--shape", "tiny", "--iters", "1", "--reps", "1", "--out", str(tmp_path)]
-    variants = ["--chunks", "8", "--variants", "sequential,associative,unroll4"]
+    names = ["sequential", "associative", "unroll4", "pallas"]  # pallas: interpret mode here
+    variants = ["--chunks", "8", "--variants", ",".join(names)]
     assert recurrence_speed.main(argv + variants) == 0
     result = json.load(open(tmp_path / "recurrence_speed_tiny.json"))
     assert result["reference"] == "sequential C=8"
-    assert [r["variant"] for r in result["rows"]] == ["sequential", "associative", "unroll4"]
+    assert [r["variant"] for r in result["rows"]] == names
     for r in result["rows"]:
         assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["max_abs_o"] > 1e-2
         assert max(r["diff_o"], r["diff_state"], r["diff_grads"]) < 1e-5
