@@ -8,6 +8,7 @@ form; per chunk c (inputs U_p, W_p, exp(G) * Q, P, K_end, exp(G_C) from the chun
     S'  = exp(G_C) * S + K_end^T U         [K, V]
 
 :mod:`.forward` runs all N steps in one launch with S kept on chip; :mod:`.backward` runs
-them in reverse in one launch, carrying dS. Launch settings: :mod:`.config`. No autodiff
-here: the custom VJP that pairs the two lives in `dm_jax.nn.recurrence_pallas`.
+them in reverse in one launch carrying dS, then forms the gradients that contract over V as
+batched matmuls. Launch settings: :mod:`.config`. No autodiff here: the custom VJP that
+pairs the two lives in `dm_jax.nn.recurrence_pallas`.
 """
