@@ -21,9 +21,10 @@ period of `pattern`, e.g. 6 x (gdn, gdn, gdn, attn)) run as one `lax.scan`, so X
 the group once; the parameters, and so checkpoints, are the same either way. `remat` picks
 what the backward pass recomputes instead of keeping (`REMAT_POLICIES`): "none" keeps every
 residual, "full" recomputes each layer group, "dots" keeps only matmul outputs.
-`state_pass` ("sequential" lax.scan, `state_scan_unroll` steps per iteration, or
-"associative") picks how the recurrent mixers carry their state across chunks: the same
-math on another schedule (docs/models.md, "Recurrent state passes").
+`state_pass` ("sequential" lax.scan, `state_scan_unroll` steps per iteration,
+"associative", or "pallas": one kernel per direction) picks how the recurrent mixers carry
+their state across chunks: the same math on another schedule (docs/models.md, "Recurrent
+state passes").
 """
 
 from __future__ import annotations
