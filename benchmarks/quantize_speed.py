@@ -3,9 +3,9 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/quantize_speed.py --warps 4,8 --out $OUT
 
 At the main benchmark shape ([4, 4096, 16, 128], unit-normal bf16; ``--head-dim`` another
-D, e.g. MLA's 192 in column pieces; ``--xla`` adds the XLA pass as a last row): the forward's pre-pass
-(Q and K values, V's permuted K-major copy) and the backward's (Q, K, dO with their K-major
-copies, V), each timed like benchmarks/passes.py, with the bytes it must move over its time
+D, e.g. MLA's 192 in column pieces; ``--xla`` adds the XLA pass as a last row): the
+forward's pre-pass (Q and K values, V's permuted K-major copy) and the backward's (Q, K, dO
+with their K-major copies, V), each timed like benchmarks/passes.py, with the bytes it must move over its time
 (GB/s: bf16 read once, every FP8 layout and the factors written once), and whether its
 operands equal the first setting's bit for bit (they must: warps are a launch setting).
 Writes quantize_speed.json.

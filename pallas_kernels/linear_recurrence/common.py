@@ -70,17 +70,6 @@ def states_spec(n: int, k: int, vb: int) -> pl.BlockSpec:
     return pl.BlockSpec((n, None, None, k, vb), lambda b, h, j: (0, b, h, 0, j))
 
 
-def partials_spec(n: int, c: int, x: int) -> pl.BlockSpec:
-    """The program's share of a gradient that contracts over V: [N, C, x] of
-    [V // vb, N, B, H, C, x] (summed over the V blocks afterwards)."""
-    return pl.BlockSpec((None, n, None, None, c, x), lambda b, h, j: (j, 0, b, h, 0, 0))
-
-
-def decay_partials_spec(n: int, k: int) -> pl.BlockSpec:
-    """[N, K] of [V // vb, N, B, H, K]: the decays' gradient per V block."""
-    return pl.BlockSpec((None, n, None, None, k), lambda b, h, j: (j, 0, b, h, 0))
-
-
 def shared_specs(n: int, c: int, k: int, plain: bool) -> list:
     """Specs of :meth:`ChunkSteps.shared_operands`: (W_p unless plain, qg, P, K_end,
     exp(G_C)), all of one (batch, head)'s chunks."""

@@ -25,10 +25,10 @@ class StatePassConfig:
     """block_v: V columns per program (V blocks are independent in both directions; each
     program reads the chunk operands that span K whole, so V / block_v programs read them).
     Warps and pipeline stages per direction. The defaults fit Hopper as compiled by triton
-    3.6 for sm_90 at K = V = 128, C = 64 (not yet timed on a GPU): one stage, 80 KiB of
-    shared memory per block, 8 warps (no register spills forward, 104 bytes backward); two
-    stages need 264-320 KiB, over Hopper's 227 KiB per block. block_v 32 with 4 warps needs
-    56 KiB and about 210 registers a thread, no spills: two programs per SM."""
+    3.6 for sm_90 at K = V = 128, C = 64 (timed on the H200: docs/models.md): one stage,
+    80 KiB of shared memory per block, 8 warps (no register spills forward, 104 bytes
+    backward); two stages need 264-320 KiB, over Hopper's 227 KiB per block. block_v 32 with
+    4 warps needs 56 KiB and about 210 registers a thread, no spills: two programs per SM."""
 
     block_v: int = 64
     forward_warps: int = 8
@@ -60,11 +60,12 @@ class StatePassConfig:
     def compiler_params(self, backward: bool):
         """Triton lowering settings of one direction (without them Pallas would pick Mosaic
         GPU on a GPU)."""
-        if backward:
-            return pltriton.CompilerParams(
-                num_warps=self.backward_warps, num_stages=self.backward_stages
-            )
-        return pltriton.CompilerParams(num_warps=self.forward_warps, num_stages=self.forward_stages)
+        warps, stages = (
+            (self.backward_warps, self.backward_stages)
+            if backward
+            else (self.forward_warps, self.forward_stages)
+        )
+        return pltriton.CompilerParams(num_warps=warps, num_stages=stages)
 
 
 def kernel_size(n: int) -> int:
