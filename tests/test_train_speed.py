@@ -1,13 +1,16 @@
 """Compile time, the persistent compilation cache and MFU in a run's summary."""
 
 import json
+import os
+import subprocess
+import sys
 import types
 
 import pytest
 
 from dm_jax.models import HybridLM, preset
 from test_train_standin import HOOKS, tiny_config
-from train import compile_cache, loop, throughput
+from train import compile_cache, loop, throughput, xla_flags
 
 
 def test_peak_table_and_utilisation():
@@ -63,3 +66,30 @@ def test_compile_cache_errors_name_the_flag(tmp_path):
         compile_cache.enable(str(blocker / "cache"))
     with pytest.raises(ValueError, match="--compile-cache"):
         tiny_config(tmp_path / "run", compile_cache="")
+
+
+def test_xla_gemm_sets_the_flag_before_the_backend_starts_and_defers_to_xla_flags():
+    # a fresh interpreter: XLA_FLAGS only matter before jax's backend starts
+    code = (
+        "import os, jax; from train import config, xla_flags\n"
+        "cfg = config.parse_args(['--run-dir', 'unused', *os.environ['ARGS'].split()])\n"
+        "jax.numpy.ones(1).block_until_ready()\n"
+        "print(cfg.xla_gemm, '|', os.environ.get('XLA_FLAGS', ''), '|',"
+        " xla_flags.use_gemm(cfg.xla_gemm))\n"
+    )
+
+    def run(args, xla=None):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        env.update(ARGS=args, JAX_PLATFORMS="cpu", **({"XLA_FLAGS": xla} if xla else {}))
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return [part.strip() for part in out.stdout.strip().splitlines()[-1].split("|")]
+
+    assert run("") == ["cublas", "--xla_gpu_enable_triton_gemm=false", "cublas"]
+    assert run("--xla-gemm triton") == ["triton", "", "triton"]
+    user = "--xla_gpu_enable_triton_gemm=true"
+    assert run("", xla=user) == ["cublas", user, "triton"]  # the user's XLA_FLAGS win
+    assert xla_flags.gemm_in_flags("--a=1 --xla_gpu_enable_triton_gemm=0") == "cublas"
+    with pytest.raises(ValueError, match="--xla-gemm"):
+        xla_flags.use_gemm("cutlass")

@@ -24,6 +24,7 @@ from dm_jax.backends import IMPLEMENTATIONS
 from dm_jax.nn.fp8 import SCALINGS
 from dm_jax.nn.recurrence import STATE_PASSES
 from dm_jax.models.config import REMAT_POLICIES
+from train import xla_flags
 
 DEFAULT_FAMILY = "gdn_gqa"
 OPTIMIZERS = ("adamw", "muon")
@@ -205,6 +206,7 @@ class RunConfig:
     distributed: bool = False
     skip_memory_check: bool = False
     compile_cache: Optional[str] = None  # persistent compilation cache dir, "off", None: default
+    xla_gemm: str = xla_flags.DEFAULT_GEMM  # XLA's matmuls: cublas or triton (train/xla_flags.py)
     # ((step, steps_before), ...): on --resume at `step` the run's --steps changed from
     # `steps_before`; the learning-rate schedule continues from its value there.
     extensions: tuple[tuple[int, int], ...] = ()
@@ -225,6 +227,7 @@ class RunConfig:
         "distributed",
         "skip_memory_check",
         "compile_cache",
+        "xla_gemm",
         "extensions",
     )
     # Fields that describe one invocation, not the run: --resume never takes them from the
@@ -236,6 +239,7 @@ class RunConfig:
         "distributed",
         "skip_memory_check",
         "compile_cache",
+        "xla_gemm",
     )
     # Model overrides that change how a step is compiled, not the parameters or the math:
     # a run may be resumed with other values.
@@ -486,8 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--state-pass",
         default=None,
         choices=STATE_PASSES,
-        help="how the linear mixers carry their state across chunks: sequential (default, "
-        "a lax.scan), associative (a parallel scan) or pallas (one kernel per direction); "
+        help="how the linear mixers carry their state across chunks: sequential (a "
+        "lax.scan), associative (a parallel scan), pallas (one kernel per direction) or auto "
+        "(default: pallas on a GPU where its kernels take the shapes, else sequential); "
         "the same math (docs/models.md)",
     )
     a(
@@ -616,6 +621,14 @@ def build_parser() -> argparse.ArgumentParser:
         "loads the compiled step (default: $XDG_CACHE_HOME/dm_jax/jax or ~/.cache/dm_jax/jax; "
         "'off' turns it off)",
     )
+    a(
+        "--xla-gemm",
+        default=xla_flags.DEFAULT_GEMM,
+        choices=xla_flags.GEMMS,
+        help="XLA's matmuls on a GPU: cublas (default; the 569m step compiles in under a "
+        "minute) or triton (XLA's Triton GEMMs, autotuned per fusion: minutes); an "
+        "--xla_gpu_enable_triton_gemm setting in XLA_FLAGS wins",
+    )
     return p
 
 
@@ -667,6 +680,7 @@ FLAG_FIELDS = {
     "distributed": ("distributed",),
     "skip_memory_check": ("skip_memory_check",),
     "compile_cache": ("compile_cache",),
+    "xla_gemm": ("xla_gemm",),
 }
 
 
@@ -683,6 +697,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> RunConfig:
     With `--resume`, the run's saved config.json supplies every flag not given here."""
     parser = build_parser()
     args = parser.parse_args(argv)  # malformed flags: argparse's usage and error, exit 2
+    xla_flags.use_gemm(args.xla_gemm)  # before anything starts jax's backend
     try:
         if not args.resume:
             return _from_args(args)
@@ -815,6 +830,7 @@ def _from_args(args) -> RunConfig:
         distributed=args.distributed,
         skip_memory_check=args.skip_memory_check,
         compile_cache=args.compile_cache,
+        xla_gemm=args.xla_gemm,
     )
     try:
         cfg.model_config  # resolve the preset now: a bad override fails before any compute

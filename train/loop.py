@@ -27,7 +27,7 @@ from flax import nnx
 
 from dm_jax.arms import ARMS
 from train import checkpoint as ckpt_lib
-from train import compile_cache
+from train import compile_cache, xla_flags
 from train import config as config_lib
 from train import data as data_lib
 from train import metrics as metrics_lib
@@ -354,6 +354,9 @@ def train(
     console = progress_lib.Console(enabled=progress)
     cache_dir = compile_cache.enable(cfg.compile_cache)
     console.note(f"compilation cache: {cache_dir or 'off'}")
+    gemm = xla_flags.use_gemm(cfg.xla_gemm)
+    if gemm != cfg.xla_gemm and jax.default_backend() == "gpu":
+        console.note(f"XLA's matmuls: {gemm} (XLA_FLAGS or an earlier start of jax decided)")
 
     splits = data_lib.load_splits(cfg.data)
     train_batches, val_batches = data_lib.make_batches(cfg, splits)
@@ -558,6 +561,7 @@ def _write_summary(result: TrainResult, cfg) -> None:
         tokens_per_s=result.tokens_per_s,
         compile_seconds=result.compile_seconds,
         compile_cache=result.compile_cache,
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
         **result.utilisation,
     )
     clean = {
