@@ -138,3 +138,18 @@ def test_pallas_is_a_state_pass_of_the_model_and_the_trainer():
     assert HybridConfig(state_pass="pallas").state_pass == "pallas"
     args = config_lib.parse_args(["--run-dir", "x", "--state-pass", "pallas"])
     assert dict(args.model.overrides)["state_pass"] == "pallas"
+
+
+def test_auto_picks_pallas_only_on_a_gpu_and_where_the_kernels_take_the_shapes(monkeypatch):
+    from dm_jax.models import HybridConfig
+    from dm_jax.nn import recurrence
+
+    assert HybridConfig().state_pass == "auto"
+    assert recurrence.resolve_state_pass("auto", 64, 128, 128) == "sequential"  # a CPU
+    assert recurrence.resolve_state_pass("associative", 64, 128, 128) == "associative"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert recurrence.resolve_state_pass("auto", 64, 128, 64) == "pallas"
+    assert recurrence.resolve_state_pass("auto", 32, 16, 16) == "pallas"
+    for c, k, v in ((256, 128, 128), (64, 8, 8), (64, 96, 128)):  # shared memory; blocks
+        assert recurrence.resolve_state_pass("auto", c, k, v) == "sequential"
+    assert recurrence.resolve_state_pass("sequential", 64, 128, 128) == "sequential"

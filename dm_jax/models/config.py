@@ -22,7 +22,8 @@ the group once; the parameters, and so checkpoints, are the same either way. `re
 what the backward pass recomputes instead of keeping (`REMAT_POLICIES`): "none" keeps every
 residual, "full" recomputes each layer group, "dots" keeps only matmul outputs.
 `state_pass` ("sequential" lax.scan, `state_scan_unroll` steps per iteration,
-"associative", or "pallas": one kernel per direction) picks how the recurrent mixers carry
+"associative", "pallas": one kernel per direction, or "auto", the default: "pallas" on a GPU
+where its kernels take the shapes, else "sequential") picks how the recurrent mixers carry
 their state across chunks: the same math on another schedule (docs/models.md, "Recurrent
 state passes").
 """
@@ -84,7 +85,7 @@ class HybridConfig:
     mixer_impl: str = "chunked"
     chunk_size: int = 64
     kda_chunk_size: int = 32  # KDA's chunked form holds [C, C, K] pair decays
-    state_pass: str = "sequential"  # how the chunked form carries the state across chunks
+    state_pass: str = "auto"  # how the chunked form carries the state across chunks
     state_scan_unroll: int = 1  # the sequential state pass's lax.scan unroll
     # precision scopes: "fp8" | "bf16" (attn_core also "f32" for the reference arm)
     ffn: str = "fp8"

@@ -35,7 +35,8 @@ loop iteration); "associative" composes the maps with `lax.associative_scan`,
 dependent steps, at the price of K x K products (delta rule; per-channel decay products for
 the plain rule). Both then give o = (exp(G) * Q) S_0 + P (U_p - W_p S_0). "pallas" runs the
 sequential steps inside one Pallas kernel per direction with S kept on chip
-(`dm_jax.nn.recurrence_pallas`; compiled on a GPU, interpret mode elsewhere).
+(`dm_jax.nn.recurrence_pallas`; compiled on a GPU, interpret mode elsewhere). "auto" picks
+"pallas" on a GPU where the kernels take the shapes, else "sequential".
 
 Document boundaries (segment ids) reset the state: S_{t-1} := 0 whenever
 segment_t != segment_{t-1}; in the chunked form pairs (r, j) from different documents and
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from dm_jax.nn.recurrence_pallas import pallas_state_pass
+from pallas_kernels.linear_recurrence.config import StatePassConfig, check_kernel_shapes
 from dm_jax.nn.sequence import document_starts
 
 
@@ -65,7 +67,23 @@ def _check(q, k, v, g, b, segment_ids):
         raise ValueError(f"segment_ids: expected {(B, T)}, got {segment_ids.shape}")
 
 
-STATE_PASSES = ("sequential", "associative", "pallas")
+STATE_PASSES = ("auto", "sequential", "associative", "pallas")
+
+
+def resolve_state_pass(state_pass: str, c: int, k: int, v: int) -> str:
+    """The pass that `state_pass` names for chunks of `c` steps with [k, v] states: "auto" is
+    "pallas" where its kernels compile (a GPU backend) and take the shapes (chunks of at most
+    128, power-of-two k and v of 16 or more), else "sequential"; the others name themselves.
+    """
+    if state_pass != "auto":
+        return state_pass
+    if jax.default_backend() != "gpu":
+        return "sequential"
+    try:
+        check_kernel_shapes(c, k, v, StatePassConfig(), compiled=True)
+    except ValueError:
+        return "sequential"
+    return "pallas"
 
 
 def check_state_pass(state_pass: str, scan_unroll: int = 1, unroll_name="scan_unroll") -> None:
@@ -181,8 +199,8 @@ def recurrent_chunked(
 ):
     """Chunked parallel form of `recurrent_naive` (same arguments, same results).
 
-    `state_pass` ("sequential", "associative" or "pallas") picks how the state crosses
-    chunks (see the module docstring); `scan_unroll` is the sequential scan's `unroll` (the
+    `state_pass` ("sequential", "associative", "pallas" or "auto": `resolve_state_pass`)
+    picks how the state crosses chunks (see the module docstring); `scan_unroll` is the sequential scan's `unroll` (the
     other passes ignore it); `pallas_config` the pallas pass's launch settings
     (`pallas_kernels.linear_recurrence.config.StatePassConfig`, None: the defaults). All
     change the schedule only: the math, and the results up to float rounding, are the same.
@@ -194,6 +212,7 @@ def recurrent_chunked(
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     C = min(chunk_size, T)
+    state_pass = resolve_state_pass(state_pass, C, K, V)
     N = -(-T // C)
     pad = N * C - T
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
