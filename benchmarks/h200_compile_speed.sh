@@ -10,6 +10,10 @@
 #   bash benchmarks/h200_compile_speed.sh unscanned ARM # 569m with --scan-layers off
 #   bash benchmarks/h200_compile_speed.sh remat ARM     # 569m scanned with --remat dots, full
 #   bash benchmarks/h200_compile_speed.sh long          # small at T=8192: cudnn_bf16, matched
+#   bash benchmarks/h200_compile_speed.sh gemm ARM      # 569m with XLA's Triton GEMMs, then cuBLAS
+#   bash benchmarks/h200_compile_speed.sh families ARM  # mamba2_gqa-569m and kda_gqa-569m
+#   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
+#                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
 # Each run is stopped after RUN_TIMEOUT seconds (default 250: two runs fit one 9-minute call).
 set -u
@@ -80,8 +84,26 @@ long)
       --compile-cache off
   done
   ;;
+gemm)
+  for gemm in triton cublas; do
+    run "$ARM-gemm-$gemm" $SIZE $QUIET --attention "$ARM" --compile-cache off --xla-gemm $gemm
+  done
+  ;;
+families)
+  for family in mamba2_gqa kda_gqa; do
+    run "$family-$ARM" --preset "$family-569m" --seq-len 4096 --batch-size 8 $QUIET \
+      --attention "$ARM" --compile-cache off
+  done
+  ;;
+statepass)
+  for pass in sequential pallas; do
+    run "small-300-matched-$pass" --preset small --steps 300 --log-every 10 --eval-every 100 \
+      --probe-every 0 --ckpt-every 0 --compile-cache off --attention matched --state-pass $pass
+    cp "$R/small-300-matched-$pass/metrics.jsonl" "$OUT/small-300-matched-$pass.metrics.jsonl"
+  done
+  ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned|remat ARM | long" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families ARM | long | statepass" >&2
   exit 2
   ;;
 esac
