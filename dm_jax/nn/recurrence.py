@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 
 from dm_jax.nn.recurrence_pallas import pallas_state_pass
-from pallas_kernels.linear_recurrence.config import StatePassConfig, check_kernel_shapes
 from dm_jax.nn.sequence import document_starts
+from pallas_kernels.linear_recurrence.config import StatePassConfig, check_kernel_shapes
 
 
 def _check(q, k, v, g, b, segment_ids):
@@ -200,8 +200,8 @@ def recurrent_chunked(
     """Chunked parallel form of `recurrent_naive` (same arguments, same results).
 
     `state_pass` ("sequential", "associative", "pallas" or "auto": `resolve_state_pass`)
-    picks how the state crosses chunks (see the module docstring); `scan_unroll` is the sequential scan's `unroll` (the
-    other passes ignore it); `pallas_config` the pallas pass's launch settings
+    picks how the state crosses chunks (see the module docstring); `scan_unroll` is the
+    sequential scan's `unroll` (the other passes ignore it); `pallas_config` the pallas pass's launch settings
     (`pallas_kernels.linear_recurrence.config.StatePassConfig`, None: the defaults). All
     change the schedule only: the math, and the results up to float rounding, are the same.
     """
