@@ -203,7 +203,8 @@ def recurrent_chunked(
     picks how the state crosses chunks (see the module docstring); `scan_unroll` is the
     sequential scan's `unroll` (the other passes ignore it); `pallas_config` the pallas
     pass's launch settings (`pallas_kernels.linear_recurrence.config.StatePassConfig`,
-    None: the defaults). All change the schedule only: the math, and the results up to float rounding, are the same.
+    None: the defaults). All change the schedule only: the math, and the results up to
+    float rounding, are the same.
     """
     _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
     check_state_pass(state_pass, scan_unroll)
