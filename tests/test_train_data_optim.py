@@ -1,6 +1,7 @@
 """Data (built-in text, user files, token files, packing, split, order) and optimizers."""
 
 import base64
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,12 @@ def test_tiktoken_from_local_ranks_file(tmp_path):
     assert tok.decode(ids) == "hello world" and tok.vocab_size == 257
 
 
+def _jit_first_update(tx):
+    """(grads, params) -> tx's first update, under jit: run op by op, Muon's Newton-Schulz
+    iterations take seconds per call (each eager call traces them again)."""
+    return jax.jit(lambda grads, params: tx.update(grads, tx.init(params), params)[0])
+
+
 def test_muon_routes_hidden_matrices_by_structure():
     model = StandinLM(257, d=32, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
@@ -104,9 +111,8 @@ def test_muon_routes_hidden_matrices_by_structure():
         name="muon", learning_rate=0.02, warmup_steps=0, weight_decay=0.0
     )
     tx = cfg.build(10, mask)
-    state = tx.init(params)
     grads = jax.tree.map(jnp.ones_like, params)
-    updates, _ = tx.update(grads, state, params)
+    updates = _jit_first_update(tx)(grads, params)
     up = {jax.tree_util.keystr(p): u for p, u in jax.tree_util.tree_leaves_with_path(updates)}
     key = next(k for k in hidden if "qkv" in k)
     # Muon orthogonalizes the all-ones gradient (rank 1): a rank-1 update; AdamW's is elementwise.
@@ -177,14 +183,18 @@ def test_qk_gain_learning_rate_and_no_gain_decay(name):
     assert len(marked) == 2 * n_attention and n_attention >= 1
     assert all("scale" in k and ("q_norm" in k or "k_norm" in k) for k in marked)
 
-    def first_update(ratio, grad_value):
+    hidden = optim.hidden_matrix_mask(model, params, model.config.vocab_size)
+
+    @functools.cache
+    def update_fn(ratio):  # one compile per ratio; the gradients are an argument
         cfg = config_lib.OptimizerConfig(
             name=name, learning_rate=0.01, warmup_steps=0, weight_decay=0.5, qk_gain_lr_ratio=ratio
         )
-        hidden = optim.hidden_matrix_mask(model, params, model.config.vocab_size)
-        tx = cfg.build(10, hidden, qk_gain_mask=gains)
+        return _jit_first_update(cfg.build(10, hidden, qk_gain_mask=gains))
+
+    def first_update(ratio, grad_value):
         grads = jax.tree.map(lambda x: jnp.full_like(x, grad_value), params)
-        updates, _ = tx.update(grads, tx.init(params), params)
+        updates = update_fn(ratio)(grads, params)
         return {jax.tree_util.keystr(p): u for p, u in jax.tree_util.tree_leaves_with_path(updates)}
 
     plain, raised = first_update(1.0, 1.0), first_update(7.0, 1.0)
