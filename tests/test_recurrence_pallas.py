@@ -153,3 +153,16 @@ def test_auto_picks_pallas_only_on_a_gpu_and_where_the_kernels_take_the_shapes(m
     for c, k, v in ((256, 128, 128), (64, 8, 8), (64, 96, 128)):  # shared memory; blocks
         assert recurrence.resolve_state_pass("auto", c, k, v) == "sequential"
     assert recurrence.resolve_state_pass("sequential", 64, 128, 128) == "sequential"
+
+
+def test_the_model_config_names_the_state_pass_each_mixer_runs(monkeypatch):
+    from dm_jax.models import preset
+
+    assert preset("gdn_gqa", "small").state_passes(2048) == {"gdn": "sequential"}  # a CPU
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert preset("mamba2_gqa", "569m").state_passes(4096) == {"mamba2": "pallas"}
+    assert preset("kda_gqa", "small").state_passes(4096) == {"kda": "pallas"}
+    assert preset("gdn_gqa", "small", chunk_size=256).state_passes(4096) == {"gdn": "sequential"}
+    assert preset("gdn_gqa", "small", chunk_size=256).state_passes(128) == {"gdn": "pallas"}
+    assert preset("gdn_gqa", "small", mixer_impl="naive").state_passes(4096) == {}
+    assert preset("gqa", "small").state_passes(4096) == {}

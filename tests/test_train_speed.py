@@ -53,6 +53,7 @@ def test_second_start_loads_the_step_from_the_cache(tmp_path, monkeypatch, capsy
     summary = json.loads((tmp_path / "second" / "summary.json").read_text())
     assert summary["compile_cache"] == second and summary["tokens_per_s"] > 0
     assert summary["model_flops_per_s"] > 0 and summary["device_kind"] == "cpu"
+    assert summary["state_passes"] == {} and "xla_flags" in summary  # a stand-in model
     off = loop.train(
         tiny_config(tmp_path / "off", compile_cache="off", **common), progress=False, hooks=HOOKS
     )

@@ -365,6 +365,11 @@ def train(
         console.note(note)
     model, graphdef, params, rest = _model_state(cfg, hooks)
     model_vocab = getattr(getattr(model, "config", None), "vocab_size", splits.vocab_size)
+    state_passes = _state_passes(model, cfg.seq_len)
+    if state_passes:
+        console.note(
+            "linear mixers' state pass: " + ", ".join(f"{k} {v}" for k, v in state_passes.items())
+        )
     if model_vocab < splits.vocab_size:
         raise ValueError(
             f"--data: token ids reach {splits.vocab_size - 1} but the model vocabulary "
@@ -545,14 +550,21 @@ def _run(
     mean_tps = timed[0] / timed[1] if timed[1] else log.last.get("tokens_per_s", float("nan"))
     util = throughput.utilisation(throughput.non_embedding_params(model), mean_tps)
     result = TrainResult(cfg.run_dir, step, log.last, status, saved_step, mean_tps, *compiled, util)
-    _write_summary(result, cfg)
+    _write_summary(result, cfg, _state_passes(model, cfg.seq_len))
     console.summary(result, cfg)
     return result
 
 
-def _write_summary(result: TrainResult, cfg) -> None:
+def _state_passes(model, seq_len: int) -> dict:
+    """{mixer kind: state pass} of a HybridLM (what "auto" chose), {} for other models."""
+    state_passes = getattr(getattr(model, "config", None), "state_passes", None)
+    return state_passes(seq_len) if callable(state_passes) else {}
+
+
+def _write_summary(result: TrainResult, cfg, state_passes: dict) -> None:
     """`<run_dir>/summary.json`: this invocation's speed (tokens/s after compilation, compile
-    seconds, model FLOP/s, MFU) and where it ended."""
+    seconds, model FLOP/s, MFU), where it ended, and the settings chosen for this machine
+    (XLA_FLAGS, the linear mixers' state passes)."""
     payload = dict(
         step=result.step,
         status=result.status,
@@ -562,6 +574,7 @@ def _write_summary(result: TrainResult, cfg) -> None:
         compile_seconds=result.compile_seconds,
         compile_cache=result.compile_cache,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
+        state_passes=state_passes,
         **result.utilisation,
     )
     clean = {

@@ -168,6 +168,24 @@ class HybridConfig:
     def mamba_num_heads(self) -> int:
         return self.mamba_expand * self.d_model // self.mamba_head_dim
 
+    def state_passes(self, seq_len: int) -> dict:
+        """{recurrent mixer kind: the state pass it runs at `seq_len` tokens} (what "auto"
+        resolves to here, `dm_jax.nn.recurrence.resolve_state_pass`); {} for the naive form."""
+        from dm_jax.nn.recurrence import resolve_state_pass
+
+        if self.mixer_impl != "chunked":
+            return {}
+        shapes = {  # chunk, key dim, value dim of each kind's recurrence
+            "gdn": (self.chunk_size, self.linear_key_dim, self.linear_value_dim),
+            "kda": (self.kda_chunk_size, self.linear_key_dim, self.linear_value_dim),
+            "mamba2": (self.chunk_size, self.mamba_state_dim, self.mamba_head_dim),
+        }
+        return {
+            kind: resolve_state_pass(self.state_pass, min(c, seq_len), k, v)
+            for kind, (c, k, v) in shapes.items()
+            if kind in self.pattern
+        }
+
     # -- size and cost ---------------------------------------------------------------------
     def _mixer_counts(self, kind: str) -> tuple:
         """(matmul weights, other parameters) of one mixer of `kind`."""
