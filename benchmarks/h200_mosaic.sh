@@ -22,7 +22,8 @@
 #                                          # not; fwd+bwd at D=128 beside the dQ pass, cuDNN BF16
 #   bash benchmarks/h200_mosaic.sh dqwide  # the same fwd+bwd at D=64, 256 and 192/128
 #   bash benchmarks/h200_mosaic.sh profile # Nsight Compute's per-instruction stall samples of
-#                                          # the dK/dV and dQ passes (SASS, hottest first)
+#                                          # the dK/dV and dQ passes (SASS, hottest first;
+#                                          # PASSES=forward_kernel: the forward's)
 #   bash benchmarks/h200_mosaic.sh gaps    # every delta mode at D=256 and 192/128 with GQA,
 #                                          # segments and a ragged length; fwd+bwd causal with
 #                                          # stale beside matched and cuDNN BF16
@@ -132,9 +133,10 @@ dqwide)
   tail -12 "$W/attention.log"
   ;;
 profile)
-  for pass in dkdv_pass dq_pass; do
+  for pass in ${PASSES:-dkdv_pass dq_pass}; do
     kernel=query_pass
     [ "$pass" = dkdv_pass ] && kernel=key_pass
+    [ "$pass" = forward_kernel ] && kernel=forward_mosaic
     # launches 1-2 of the kernel are warm-up (and the dQ plan's own delta launch)
     timeout 200 ncu --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section LaunchStats -f -o "$W/$pass" \
