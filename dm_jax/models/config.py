@@ -37,7 +37,7 @@ import jax
 from dm_jax.arms import ARMS, FP8_ARMS, check_arm
 from dm_jax.backends import IMPLEMENTATIONS
 from dm_jax.nn.fp8 import check_scaling
-from dm_jax.nn.recurrence import check_state_pass
+from dm_jax.nn.recurrence import check_state_pass, resolve_state_pass
 
 MIXER_KINDS = ("gdn", "mamba2", "kda")
 ATTENTION_KINDS = ("attn", "mla")
@@ -171,8 +171,6 @@ class HybridConfig:
     def state_passes(self, seq_len: int) -> dict:
         """{recurrent mixer kind: the state pass it runs at `seq_len` tokens} (what "auto"
         resolves to here, `dm_jax.nn.recurrence.resolve_state_pass`); {} for the naive form."""
-        from dm_jax.nn.recurrence import resolve_state_pass
-
         if self.mixer_impl != "chunked":
             return {}
         shapes = {  # chunk, key dim, value dim of each kind's recurrence
