@@ -31,7 +31,7 @@ import time
 import jax
 from flax import nnx
 
-from train import compile_cache, config, optim, parallel, throughput, trace_summary
+from train import compile_cache, config, optim, parallel, throughput, trace_summary, xla_flags
 from train import data as data_lib
 from train import loop
 from train import model as model_lib
@@ -140,9 +140,7 @@ def _write(out: str, payload: dict) -> None:
 
 def _disable_command_buffers() -> None:
     """Must run before jax starts its backend: XLA reads XLA_FLAGS once, at start-up."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_gpu_enable_command_buffer" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_gpu_enable_command_buffer=").strip()
+    xla_flags.set_unless_given("xla_gpu_enable_command_buffer", "")
 
 
 def main(argv=None) -> int:

@@ -24,13 +24,28 @@ DEFAULT_GEMM = "cublas"
 _TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 
+def flag_value(name: str, flags: str) -> str | None:
+    """The value that ``flags`` (an XLA_FLAGS string) gives flag ``name``, or None."""
+    for word in flags.split():
+        key, _, value = word.lstrip("-").partition("=")
+        if key == name:
+            return value
+    return None
+
+
+def set_unless_given(name: str, value: str) -> None:
+    """Appends ``--name=value`` to XLA_FLAGS unless XLA_FLAGS already sets ``name``."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if flag_value(name, flags) is None:
+        os.environ["XLA_FLAGS"] = f"{flags} --{name}={value}".strip()
+
+
 def gemm_in_flags(flags: str) -> str | None:
     """The GEMM choice that ``flags`` (an XLA_FLAGS value) makes, or None."""
-    for word in flags.split():
-        name, _, value = word.lstrip("-").partition("=")
-        if name == _TRITON_GEMM:
-            return "cublas" if value.lower() in ("false", "0") else "triton"
-    return None
+    value = flag_value(_TRITON_GEMM, flags)
+    if value is None:
+        return None
+    return "cublas" if value.lower() in ("false", "0") else "triton"
 
 
 def use_gemm(choice: str) -> str:
@@ -39,12 +54,11 @@ def use_gemm(choice: str) -> str:
     started yet, else XLA's default "triton" (too late: XLA has read its flags)."""
     if choice not in GEMMS:
         raise ValueError(f"--xla-gemm: expected one of {GEMMS}, got {choice!r}")
-    flags = os.environ.get("XLA_FLAGS", "")
-    given = gemm_in_flags(flags)
+    given = gemm_in_flags(os.environ.get("XLA_FLAGS", ""))
     if given is not None:
         return given
     if xla_bridge.backends_are_initialized():
         return "triton"
     if choice == "cublas":
-        os.environ["XLA_FLAGS"] = f"{flags} --{_TRITON_GEMM}=false".strip()
+        set_unless_given(_TRITON_GEMM, "false")
     return choice
