@@ -13,6 +13,8 @@ for each chunk size of the shape and each state pass (--variants):
   pallas_v32   the pallas pass with V blocks of 32 (default 64) and 4 warps: twice the
                programs, two per SM
   pallas_ieee  the pallas pass with full-f32 dots (default tf32, as XLA's f32 matmuls)
+  pallas_doubling / pallas_triangular   the pallas pass with the delta rule's triangular
+               systems solved by `solve="doubling"` / `"triangular"` (default "blocks")
 The pallas pass refuses chunks over 128 (shared memory); those rows say "skipped".
 Each is compiled (seconds recorded), run once, then timed: the median over --reps of
 --iters back-to-back calls, forward alone (o and the final state) and forward + backward
@@ -63,15 +65,23 @@ SHAPES = {
     "mamba2": Shape(8, 4096, 32, 128, 64, 1, False, (64, 128, 256)),  # mamba2_gqa-569m
     "tiny": Shape(1, 40, 2, 8, 8, 1, True, (8, 16)),  # CPU check of the script
 }
-VARIANTS = {  # name: (state_pass, scan_unroll, pallas launch settings: None for the defaults)
-    "sequential": ("sequential", 1, None),
-    "pallas": ("pallas", 1, None),
-    "associative": ("associative", 1, None),
-    "unroll4": ("sequential", 4, None),
-    "unroll16": ("sequential", 16, None),
-    "pallas_w4": ("pallas", 1, StatePassConfig(forward_warps=4, backward_warps=4)),
-    "pallas_v32": ("pallas", 1, StatePassConfig(block_v=32, forward_warps=4, backward_warps=4)),
-    "pallas_ieee": ("pallas", 1, StatePassConfig(dot_precision="ieee")),
+VARIANTS = {  # name: (state_pass, scan_unroll, pallas launch settings (None: the defaults),
+    # the delta rule's triangular solve)
+    "sequential": ("sequential", 1, None, "blocks"),
+    "pallas": ("pallas", 1, None, "blocks"),
+    "associative": ("associative", 1, None, "blocks"),
+    "unroll4": ("sequential", 4, None, "blocks"),
+    "unroll16": ("sequential", 16, None, "blocks"),
+    "pallas_w4": ("pallas", 1, StatePassConfig(forward_warps=4, backward_warps=4), "blocks"),
+    "pallas_v32": (
+        "pallas",
+        1,
+        StatePassConfig(block_v=32, forward_warps=4, backward_warps=4),
+        "blocks",
+    ),
+    "pallas_ieee": ("pallas", 1, StatePassConfig(dot_precision="ieee"), "blocks"),
+    "pallas_doubling": ("pallas", 1, None, "doubling"),
+    "pallas_triangular": ("pallas", 1, None, "triangular"),
 }
 ARGNAMES = ("q", "k", "v", "log_decay", "beta")
 
@@ -116,15 +126,21 @@ def max_abs_diff(a, b) -> float:
     )
 
 
-def bench_variant(
-    s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, args, iters, reps
-):
-    """Row of one variant plus its (forward outputs, gradients) for the checks."""
+def variant_fns(s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, solve):
+    """(forward, forward + backward) of one variant: `recurrent_chunked` -> (o, final S), and
+    jax.value_and_grad of sum(o) wrt every input."""
     kw = dict(delta_rule=s.delta_rule, chunk_size=chunk, state_pass=state_pass)
-    kw.update(scan_unroll=unroll, pallas_config=pallas_config)
+    kw.update(scan_unroll=unroll, pallas_config=pallas_config, solve=solve)
     fwd = lambda *a: recurrent_chunked(*a, **kw)
     loss = lambda *a: jnp.sum(fwd(*a)[0])
-    fwdbwd = jax.value_and_grad(loss, argnums=tuple(range(len(ARGNAMES))))
+    return fwd, jax.value_and_grad(loss, argnums=tuple(range(len(ARGNAMES))))
+
+
+def bench_variant(
+    s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, solve, args, iters, reps
+):
+    """Row of one variant plus its (forward outputs, gradients) for the checks."""
+    fwd, fwdbwd = variant_fns(s, chunk, state_pass, unroll, pallas_config, solve)
     fwd_c, fwd_compile = compiled_and_seconds(fwd, args)
     out, fwd_s = median_seconds(fwd_c, args, iters, reps)
     del fwd_c

@@ -40,8 +40,14 @@ CASES = {
 }
 
 
-# state passes other than the default sequential scan: (state_pass, scan_unroll)
-PASSES = {"associative": ("associative", 1), "unroll3": ("sequential", 3), "pallas": ("pallas", 1)}
+# schedules other than the default sequential scan and blocked inverse:
+# (state_pass, scan_unroll, the delta rule's triangular solve)
+PASSES = {
+    "associative": ("associative", 1, "blocks"),
+    "unroll3": ("sequential", 3, "blocks"),
+    "pallas": ("pallas", 1, "blocks"),
+    "doubling": ("sequential", 1, "doubling"),
+}
 
 
 @pytest.mark.parametrize("delta_rule,G,packed", CASES.values(), ids=CASES.keys())
@@ -64,16 +70,16 @@ def test_chunked_equals_naive_values_and_grads(delta_rule, G, packed):
         (_, out), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))((q, k, v, g, b, S0))
         return out, grad
 
-    def chunked(state_pass, unroll):
-        kw = dict(chunk_size=8, state_pass=state_pass, scan_unroll=unroll)
+    def chunked(state_pass, unroll, solve="blocks"):
+        kw = dict(chunk_size=8, state_pass=state_pass, scan_unroll=unroll, solve=solve)
         return lambda *a, **kw2: recurrent_chunked(*a, **kw, **kw2)
 
     naive = grads(recurrent_naive)
     sequential = grads(chunked("sequential", 1))
     chex.assert_trees_all_close(sequential[0], naive[0], atol=2e-5, rtol=2e-5)
     chex.assert_trees_all_close(sequential[1], naive[1], atol=5e-5, rtol=5e-5)
-    for name, (state_pass, unroll) in PASSES.items():
-        out, grad = grads(chunked(state_pass, unroll))
+    for name, schedule in PASSES.items():
+        out, grad = grads(chunked(*schedule))
         for want in (sequential, naive):
             chex.assert_trees_all_close(out, want[0], atol=2e-5, rtol=2e-5, custom_message=name)
             chex.assert_trees_all_close(grad, want[1], atol=5e-5, rtol=5e-5, custom_message=name)
@@ -86,6 +92,8 @@ def test_state_pass_arguments_are_checked():
     q, k, v, g, b, _ = _inputs(0, 1)
     with pytest.raises(ValueError, match="state_pass"):
         recurrent_chunked(q, k, v, g, b, delta_rule=True, state_pass="parallel")
+    with pytest.raises(ValueError, match="solve"):
+        recurrent_chunked(q, k, v, g, b, delta_rule=True, solve="qr")
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="scan_unroll"):
             run_recurrence(q, k, v, g, b, delta_rule=True, impl="naive", scan_unroll=bad)
@@ -172,14 +180,16 @@ def test_mixer_layer_chunked_equals_naive(make):
     assert float(jnp.abs(y1).max()) > 1e-3
 
 
+@pytest.mark.parametrize("inverse", ["blocks", "doubling"])
 @pytest.mark.parametrize("C", [1, 5, 16, 64])
-def test_unit_lower_inverse_matches_triangular_solve(C):
+def test_unit_lower_inverse_matches_triangular_solve(C, inverse):
     from jax.scipy.linalg import solve_triangular
 
-    from dm_jax.nn.recurrence import unit_lower_inverse
+    from dm_jax.nn.recurrence import unit_lower_inverse, unit_lower_inverse_doubling
 
+    fn = unit_lower_inverse if inverse == "blocks" else unit_lower_inverse_doubling
     L = jnp.tril(jax.random.normal(jax.random.PRNGKey(C), (2, C, C)) * 0.3, -1) + jnp.eye(C)
     want = solve_triangular(
         L, jnp.broadcast_to(jnp.eye(C), L.shape), lower=True, unit_diagonal=True
     )
-    np.testing.assert_allclose(unit_lower_inverse(L), want, atol=1e-5)
+    np.testing.assert_allclose(fn(L), want, atol=1e-5)

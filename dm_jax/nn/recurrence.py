@@ -175,6 +175,36 @@ def unit_lower_inverse(L_CC):
     return jnp.concatenate([top, jnp.concatenate([lower, bottom_inv], axis=-1)], axis=-2)
 
 
+def unit_lower_inverse_doubling(L_CC):
+    """The same inverse as `unit_lower_inverse` as a product of C x C matmuls: with
+    A = L - I strictly lower triangular (so A^C = 0),
+    (I + A)^-1 = sum_{n<C} (-A)^n = (I - A)(I + A^2)(I + A^4) ... (I + A^(2^(m-1))), 2^m >= C:
+    2 (m - 1) full-size matmuls instead of log2(C) levels of ever smaller ones."""
+    C = L_CC.shape[-1]
+    eye = jnp.eye(C, dtype=L_CC.dtype)
+    power = L_CC - eye
+    inv = eye - power
+    for _ in range(1, (C - 1).bit_length()):
+        power = power @ power
+        inv = inv + inv @ power
+    return inv
+
+
+SOLVES = ("blocks", "doubling", "triangular")
+
+
+def _solve_unit_lower(L_CC, rhs_CX, solve: str):
+    """L^-1 rhs for unit lower-triangular L: "blocks" (`unit_lower_inverse`), "doubling"
+    (`unit_lower_inverse_doubling`) or "triangular" (`lax.linalg.triangular_solve`; XLA's CPU
+    triangular solve can deadlock its thread pool on few cores, so for accelerators)."""
+    if solve == "triangular":
+        return jax.lax.linalg.triangular_solve(
+            L_CC, rhs_CX, left_side=True, lower=True, unit_diagonal=True
+        )
+    inverse = unit_lower_inverse if solve == "blocks" else unit_lower_inverse_doubling
+    return inverse(L_CC) @ rhs_CX
+
+
 def _pair(a_rK, b_jK, dec_rjG):
     """sum_c a_rc b_jc Dec_rjc; for a per-head decay (G = 1) a plain matmul times Dec."""
     if dec_rjG.shape[-1] == 1:
@@ -196,6 +226,7 @@ def recurrent_chunked(
     state_pass: str = "sequential",
     scan_unroll: int = 1,
     pallas_config=None,
+    solve: str = "blocks",
 ):
     """Chunked parallel form of `recurrent_naive` (same arguments, same results).
 
@@ -204,10 +235,15 @@ def recurrent_chunked(
     sequential scan's `unroll` (the other passes ignore it); `pallas_config` the pallas
     pass's launch settings (`pallas_kernels.linear_recurrence.config.StatePassConfig`,
     None: the defaults). All change the schedule only: the math, and the results up to
-    float rounding, are the same.
+    float rounding, are the same. `solve` picks how the delta rule's C x C unit
+    lower-triangular systems are solved (`SOLVES`, `_solve_unit_lower`), also the schedule
+    only. The stages carry named scopes (chunk_prep, pair, solve, state_pass) that profiles
+    show.
     """
     _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
     check_state_pass(state_pass, scan_unroll)
+    if solve not in SOLVES:
+        raise ValueError(f"solve: must be one of {SOLVES}, got {solve!r}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T, H, K = q_BTHK.shape
@@ -225,48 +261,58 @@ def recurrent_chunked(
         x = x.reshape(B, N, C, *x.shape[2:])
         return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 2, 3)
 
-    q, k, v, g = (chunks(x) for x in (q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG))
-    b = chunks(beta_BTH)[..., None]  # [N, B, H, C, 1]
-    seg_c = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge").reshape(B, N, C)
-    seg_c = jnp.moveaxis(seg_c, 1, 0)[:, :, None]  # [N, B, 1, C]
-    seg_prev = jnp.moveaxis(prev_seg[:, ::C][:, :N], 1, 0)[:, :, None, None]  # [N, B, 1, 1]
+    with jax.named_scope("chunk_prep"):
+        q, k, v, g = (chunks(x) for x in (q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG))
+        b = chunks(beta_BTH)[..., None]  # [N, B, H, C, 1]
+        seg_c = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge").reshape(B, N, C)
+        seg_c = jnp.moveaxis(seg_c, 1, 0)[:, :, None]  # [N, B, 1, C]
+        seg_prev = jnp.moveaxis(prev_seg[:, ::C][:, :N], 1, 0)[:, :, None, None]  # [N, B, 1, 1]
 
-    Gc = jnp.cumsum(g, axis=-2)  # G_r: [N, B, H, C, G]
-    idx = jnp.arange(C)
-    same = (seg_c[..., :, None] == seg_c[..., None, :]) & (idx[:, None] >= idx[None, :])
-    diff = Gc[..., :, None, :] - Gc[..., None, :, :]  # G_r - G_j: [N, B, H, C, C, G]
-    dec = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))  # Dec_rj, zero unless j <= r
-    carried = (seg_c == seg_prev)[..., None]  # positions still in the chunk's first document
-    gam = jnp.exp(Gc) * carried  # exp(G_r), masked after a boundary: [N, B, H, C, G]
+        Gc = jnp.cumsum(g, axis=-2)  # G_r: [N, B, H, C, G]
+        idx = jnp.arange(C)
+        same = (seg_c[..., :, None] == seg_c[..., None, :]) & (idx[:, None] >= idx[None, :])
+        diff = Gc[..., :, None, :] - Gc[..., None, :, :]  # G_r - G_j: [N, B, H, C, C, G]
+        dec = jnp.exp(jnp.where(same[..., None], diff, -jnp.inf))  # Dec_rj, zero unless j <= r
+        carried = (seg_c == seg_prev)[..., None]  # positions still in the chunk's first document
+        gam = jnp.exp(Gc) * carried  # exp(G_r), masked after a boundary: [N, B, H, C, G]
 
     if delta_rule:
-        strict = idx[:, None] > idx[None, :]
-        A = b * _pair(k, k, dec) * strict  # A_rj = b_r <k_r, Dec_rj k_j>, j < r
-        L = A + jnp.eye(C, dtype=A.dtype)
-        L_inv = unit_lower_inverse(L)
-        u_part = L_inv @ (b * v)
-        w_part = L_inv @ (b * gam * k)
+        with jax.named_scope("pair"):
+            strict = idx[:, None] > idx[None, :]
+            A = b * _pair(k, k, dec) * strict  # A_rj = b_r <k_r, Dec_rj k_j>, j < r
+        with jax.named_scope("solve"):  # [U_p, W_p] = (I + A)^-1 [b V, b exp(G) K]
+            rhs = jnp.concatenate([b * v, b * gam * k], axis=-1)
+            uw = _solve_unit_lower(A + jnp.eye(C, dtype=A.dtype), rhs, solve)
+            u_part, w_part = uw[..., :V], uw[..., V:]
     else:
         u_part, w_part = b * v, None  # W_p = 0: U = U_p whatever the start state
-    P = _pair(q, k, dec)  # <q_r, Dec_rj k_j>, j <= r
-    qg = gam * q
-    k_end = dec[..., -1, :, :] * k  # K_end = Dec_Cj * k_j: [N, B, H, C, K]
-    gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # exp(G_C): [N, B, H, G, 1] scales rows
+    with jax.named_scope("pair"):
+        P = _pair(q, k, dec)  # <q_r, Dec_rj k_j>, j <= r
+        qg = gam * q
+        k_end = dec[..., -1, :, :] * k  # K_end = Dec_Cj * k_j: [N, B, H, C, K]
+        gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # exp(G_C): [N, B, H, G, 1] scales rows
 
     S0 = (
         jnp.zeros((B, H, K, V), jnp.float32)
         if initial_state_BHKV is None
         else initial_state_BHKV.astype(jnp.float32)
     )
+    pass_kw = dict(fold=initial_state_BHKV is not None, unroll=scan_unroll, config=pallas_config)
+    with jax.named_scope("state_pass"):
+        o, S = _state_pass(state_pass, S0, u_part, w_part, qg, P, k_end, gam_end, **pass_kw)
+    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
+    return o, S
+
+
+def _state_pass(state_pass, S0, u_part, w_part, qg, P, k_end, gam_end, *, fold, unroll, config):
+    """(o_NBHCV, final S) by the named pass (module docstring); `fold`: S0 is a given state."""
     if state_pass == "pallas":
-        o, S = pallas_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, config=pallas_config)
+        o, S = pallas_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, config=config)
     elif state_pass == "sequential":
-        o, S = sequential_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, scan_unroll)
+        o, S = sequential_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, unroll)
     else:
-        fold = initial_state_BHKV is not None
         starts, S = _associative_starts(S0, fold, u_part, w_part, k_end, gam_end)
         _, o = _chunk_out(starts, u_part, w_part, qg, P)
-    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
     return o, S
 
 
