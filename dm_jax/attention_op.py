@@ -82,7 +82,7 @@ def attention(
     )  # fmt: skip
     if is_empty(q, k, v):
         return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
-    return _attention(call, q, k, v, q_ids, kv_ids)
+    return _shared_attention(call, q, k, v, q_ids, kv_ids)
 
 
 def prepare_call(
@@ -138,6 +138,11 @@ def _attention_bwd(call, residuals, do):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+# Every call with the same shapes and AttentionConfig shares one traced jaxpr, so its forward,
+# its VJP and their kernels are lowered (and compiled) once per program, not once per layer:
+# an unscanned model with six attention layers otherwise lowers each Pallas kernel six times.
+_shared_attention = jax.jit(_attention, static_argnums=(0,))
 
 
 def _fail(argument, expected, got):

@@ -159,3 +159,28 @@ def test_gpu_backends_on_a_cpu_name_the_argument_and_the_alternatives(monkeypatc
     assert message.startswith(f"implementation={implementation!r}: ")
     assert "needs a GPU (this host runs on cpu)" in message
     assert "implementations this host can run: 'reference', 'triton_interpret'" in message
+
+
+def _lowered_lines(fn, *args) -> int:
+    return len(jax.jit(fn).lower(*args).as_text().splitlines())
+
+
+def test_layers_with_the_same_shapes_share_one_lowering():
+    """Several attention calls of the same shapes and settings (an unscanned model's layers)
+    lower their forward, their VJP and the kernels in them once and call them, instead of
+    once per call: two more layers add only their call sites to the program (a Pallas
+    kernel in interpret mode would add hundreds of lines per layer)."""
+    q = jax.random.normal(jax.random.key(0), (1, 32, 2, 16), jnp.bfloat16)
+
+    def layers(n):
+        def fn(x):
+            for _ in range(n):
+                x = dm_jax.attention(x, x, x, causal=True, implementation="triton_interpret")
+            return jnp.sum(x.astype(jnp.float32))
+
+        return fn
+
+    for transform in (lambda f: f, jax.grad):
+        three = _lowered_lines(transform(layers(3)), q)
+        five = _lowered_lines(transform(layers(5)), q)
+        assert five - three < 0.02 * three, (three, five)

@@ -166,3 +166,23 @@ def test_the_model_config_names_the_state_pass_each_mixer_runs(monkeypatch):
     assert preset("gdn_gqa", "small", chunk_size=256).state_passes(128) == {"gdn": "pallas"}
     assert preset("gdn_gqa", "small", mixer_impl="naive").state_passes(4096) == {}
     assert preset("gqa", "small").state_passes(4096) == {}
+
+
+def test_layers_with_the_same_shapes_share_one_lowering():
+    """The state pass of several layers with the same shapes lowers its kernels once (as
+    an unscanned model's layers call it): two more calls add only their call sites."""
+    S0, *ops = _operands(0, 2, 1, 1, 16, 16, 16, 1, False)
+
+    def layers(n):
+        def fn(S):
+            for _ in range(n):
+                o, S = pallas_state_pass(S, *ops)
+            return jnp.sum(o) + jnp.sum(S)
+
+        return fn
+
+    for transform in (lambda f: f, jax.grad):
+        lines = [
+            len(jax.jit(transform(layers(n))).lower(S0).as_text().splitlines()) for n in (3, 5)
+        ]
+        assert lines[1] - lines[0] < 0.02 * lines[0], lines

@@ -46,6 +46,10 @@ def _state_pass_bwd(config, interpret, residuals, cotangents):
 
 _state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
+# One traced jaxpr per shapes and settings, so an unscanned model's layers share the kernels'
+# lowering and compilation instead of repeating them per layer (as dm_jax.attention_op).
+_shared_state_pass = jax.jit(_state_pass, static_argnums=(0, 1))
+
 
 def _pad_to(x, sizes):
     """Zero-pad the trailing len(sizes) axes of x up to `sizes` (None stays None)."""
@@ -88,5 +92,5 @@ def pallas_state_pass(
         k_end=_pad_to(k_end, (Cp, Kp)),
         gam_end=_pad_to(jnp.broadcast_to(gam_end[..., 0], (N, B, H, K)), (Kp,)),
     )
-    o, S = _state_pass(config, interpret, _pad_to(S0_BHKV, (Kp, Vp)), steps)
+    o, S = _shared_state_pass(config, interpret, _pad_to(S0_BHKV, (Kp, Vp)), steps)
     return o[..., :C, :V], S[..., :K, :V]
