@@ -54,6 +54,7 @@ def test_second_start_loads_the_step_from_the_cache(tmp_path, monkeypatch, capsy
     assert summary["compile_cache"] == second and summary["tokens_per_s"] > 0
     assert summary["model_flops_per_s"] > 0 and summary["device_kind"] == "cpu"
     assert summary["state_passes"] == {} and "xla_flags" in summary  # a stand-in model
+    assert summary["peak_device_bytes"] is None  # a CPU's allocator does not report it
     off = loop.train(
         tiny_config(tmp_path / "off", compile_cache="off", **common), progress=False, hooks=HOOKS
     )

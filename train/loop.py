@@ -563,8 +563,8 @@ def _state_passes(model, seq_len: int) -> dict:
 
 def _write_summary(result: TrainResult, cfg, state_passes: dict) -> None:
     """`<run_dir>/summary.json`: this invocation's speed (tokens/s after compilation, compile
-    seconds, model FLOP/s, MFU), where it ended, and the settings chosen for this machine
-    (XLA_FLAGS, the linear mixers' state passes)."""
+    seconds, model FLOP/s, MFU), where it ended, the device's peak memory (None on a CPU)
+    and the settings chosen for this machine (XLA_FLAGS, the linear mixers' state passes)."""
     payload = dict(
         step=result.step,
         status=result.status,
@@ -573,6 +573,7 @@ def _write_summary(result: TrainResult, cfg, state_passes: dict) -> None:
         tokens_per_s=result.tokens_per_s,
         compile_seconds=result.compile_seconds,
         compile_cache=result.compile_cache,
+        peak_device_bytes=memory_lib.peak_device_bytes(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         state_passes=state_passes,
         **result.utilisation,

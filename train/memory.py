@@ -178,6 +178,14 @@ def available_bytes() -> tuple[Optional[float], str]:
     return min(candidates) if candidates else (None, "unknown")
 
 
+def peak_device_bytes() -> Optional[float]:
+    """The most bytes the first local device has held at once in this process (an
+    accelerator's allocator reports it; None where it does not, as on a CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else float(peak)
+
+
 def _meminfo() -> dict:
     try:
         with open("/proc/meminfo") as f:
