@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_compile_speed.sh long          # small at T=8192: cudnn_bf16, matched
 #   bash benchmarks/h200_compile_speed.sh gemm ARM      # 569m with XLA's Triton GEMMs, then cuBLAS
 #   bash benchmarks/h200_compile_speed.sh families ARM  # mamba2_gqa-569m and kda_gqa-569m
+#                                                       # (batch FB, default 4: 8 does not fit)
+#   bash benchmarks/h200_compile_speed.sh scan ARM      # small, 16 x 2048, scan on then off
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
@@ -91,8 +93,14 @@ gemm)
   ;;
 families)
   for family in mamba2_gqa kda_gqa; do
-    run "$family-$ARM" --preset "$family-569m" --seq-len 4096 --batch-size 8 $QUIET \
+    run "$family-$ARM" --preset "$family-569m" --seq-len 4096 --batch-size "${FB:-4}" $QUIET \
       --attention "$ARM" --compile-cache off
+  done
+  ;;
+scan)
+  for scan in on off; do
+    run "small-2048-$ARM-scan-$scan" --preset small $QUIET --attention "$ARM" \
+      --compile-cache off --scan-layers $scan
   done
   ;;
 statepass)
@@ -103,7 +111,7 @@ statepass)
   done
   ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families ARM | long | statepass" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan ARM | long | statepass" >&2
   exit 2
   ;;
 esac
