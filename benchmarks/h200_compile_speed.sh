@@ -5,7 +5,8 @@
 #                                                       # compilation cache, then a second start
 #   bash benchmarks/h200_compile_speed.sh fold ARM      # names what XLA constant-folds slowly
 #   bash benchmarks/h200_compile_speed.sh profile ARM   # 569m step profile (profile.json, .md);
-#                                                       # profile_step skips the memory check:
+#                                                       # profile_step skips the memory check (so
+#                                                       # auto is unrolled; --scan-layers on scans):
 #                                                       # SIZE="... --remat dots" at batch 8
 #   bash benchmarks/h200_compile_speed.sh unscanned ARM # 569m with --scan-layers off
 #   bash benchmarks/h200_compile_speed.sh remat ARM     # 569m scanned with --remat dots, full

@@ -135,3 +135,35 @@ def test_the_chosen_remat_is_what_the_run_trains_and_records(tmp_path, monkeypat
     # config.json also holds the config of the model that was built and trained
     built = json.load(open(tmp_path / "run" / "config.json"))["model_config"]
     assert built["remat"] == "dots" and built["scan_layers"]
+
+
+def test_auto_scan_takes_the_unrolled_step_where_it_fits(monkeypatch):
+    """--scan-layers auto (the default) trains the unrolled step where it fits, else the
+    scanned one (with --remat dots when only that fits), and says so; an explicit choice is
+    kept; when nothing fits the refusal names both layouts."""
+    small = ["--preset", "small", "--batch-size", "16", "--seq-len", "2048", "--run-dir", "x"]
+    auto = config_lib.parse_args(small)
+    assert auto.scan_choice == "auto" and not auto.model_config.scan_layers
+    off = config_lib.parse_args(small + ["--scan-layers", "off"])
+    dots = config_lib.parse_args(small + ["--scan-layers", "on", "--remat", "dots"])
+    need_unrolled, need_dots = (
+        memory.estimate(c, model_lib.build_hybrid).total for c in (off, dots)
+    )
+    assert need_dots < need_unrolled  # the precondition of the middle case
+
+    def room(nbytes):
+        monkeypatch.setattr(memory, "available_bytes", lambda: (nbytes, "free on the GPU"))
+
+    room(need_unrolled * 1.5)
+    chosen, note = memory.check_or_remat(auto, model_lib.build_hybrid)
+    assert not chosen.model_config.scan_layers and "chosen" not in note
+    room((need_unrolled + need_dots) / 2)
+    chosen, note = memory.check_or_remat(auto, model_lib.build_hybrid)
+    assert chosen.model_config.scan_layers and chosen.model_config.remat == "dots"
+    assert "the scanned layer group chosen" in note and "--scan-layers off to insist" in note
+    assert chosen.scan_choice == "auto"  # a resumed run chooses again
+    with pytest.raises(memory.InsufficientMemory, match="needs about"):
+        memory.check_or_remat(off, model_lib.build_hybrid)
+    room(need_dots / 2)
+    with pytest.raises(memory.InsufficientMemory, match=r"unrolled \(--scan-layers auto"):
+        memory.check_or_remat(auto, model_lib.build_hybrid)

@@ -30,6 +30,7 @@ DEFAULT_FAMILY = "gdn_gqa"
 OPTIMIZERS = ("adamw", "muon")
 PACKINGS = ("segments", "concat")
 TOKENIZERS = ("byte", "tiktoken")
+SCAN_CHOICES = ("auto", "on", "off")  # --scan-layers
 
 # Per-size run defaults (batch, seq_len, steps, lr); the model sizes live in dm_jax.models.
 SIZE_DEFAULTS = {
@@ -207,6 +208,10 @@ class RunConfig:
     skip_memory_check: bool = False
     compile_cache: Optional[str] = None  # persistent compilation cache dir, "off", None: default
     xla_gemm: str = xla_flags.DEFAULT_GEMM  # XLA's matmuls: cublas or triton (train/xla_flags.py)
+    # --scan-layers: "on", "off", or "auto" (the unrolled step where the memory estimate says
+    # it fits, else the scanned one: train.memory.check_or_remat); the model's scan_layers
+    # override holds the resolved choice
+    scan_choice: str = "auto"
     # ((step, steps_before), ...): on --resume at `step` the run's --steps changed from
     # `steps_before`; the learning-rate schedule continues from its value there.
     extensions: tuple[tuple[int, int], ...] = ()
@@ -228,6 +233,7 @@ class RunConfig:
         "skip_memory_check",
         "compile_cache",
         "xla_gemm",
+        "scan_choice",
         "extensions",
     )
     # Fields that describe one invocation, not the run: --resume never takes them from the
@@ -270,6 +276,11 @@ class RunConfig:
             self.compile_cache is None or bool(self.compile_cache),
             "--compile-cache",
             "expected a directory or 'off', got an empty string",
+        )
+        _check(
+            self.scan_choice in SCAN_CHOICES,
+            "--scan-layers",
+            f"expected one of {SCAN_CHOICES}, got {self.scan_choice!r}",
         )
         _check(self.keep_checkpoints >= 1, "--keep", f"must be >= 1, got {self.keep_checkpoints}")
         _check(
@@ -481,10 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a(
         "--scan-layers",
-        default=None,
-        choices=("on", "off"),
-        help="run the repeating layer group as one lax.scan, compiled once (default: on on "
-        "a GPU, off on a CPU); the same parameters and checkpoints either way",
+        default="auto",
+        choices=SCAN_CHOICES,
+        help="run the repeating layer group as one lax.scan, compiled once (on), or one call "
+        "per layer (off: faster steps on an H200, 1.2-1.5x); auto (default): off where the "
+        "memory estimate says the step fits, else on; the same parameters and checkpoints "
+        "either way",
     )
     a(
         "--state-pass",
@@ -643,7 +656,7 @@ FLAG_FIELDS = {
     "head_dim": ("model.overrides.head_dim",),
     "fp8_scaling": ("model.overrides.fp8_scaling",),
     "mixer_impl": ("model.overrides.mixer_impl",),
-    "scan_layers": ("model.overrides.scan_layers",),
+    "scan_layers": ("model.overrides.scan_layers", "scan_choice"),
     "remat": ("model.overrides.remat",),
     "state_pass": ("model.overrides.state_pass",),
     "state_scan_unroll": ("model.overrides.state_scan_unroll",),
@@ -791,7 +804,7 @@ def _from_args(args) -> RunConfig:
         head_dim=args.head_dim,
         fp8_scaling=args.fp8_scaling,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
-        scan_layers=default_scan_layers() if args.scan_layers is None else onoff[args.scan_layers],
+        scan_layers=args.scan_layers == "on",  # "auto" starts unrolled (check_or_remat)
         remat=args.remat,
         state_pass=args.state_pass,
         state_scan_unroll=args.state_scan_unroll,
@@ -831,6 +844,7 @@ def _from_args(args) -> RunConfig:
         skip_memory_check=args.skip_memory_check,
         compile_cache=args.compile_cache,
         xla_gemm=args.xla_gemm,
+        scan_choice=args.scan_layers,
     )
     try:
         cfg.model_config  # resolve the preset now: a bad override fails before any compute
@@ -841,15 +855,6 @@ def _from_args(args) -> RunConfig:
 
 def default_mixer_impl() -> str:
     return "chunked"
-
-
-def default_scan_layers() -> bool:
-    """Scan the layer group on a GPU. On a CPU, at the sizes a CPU trains (tiny, small), the
-    unrolled step measured faster to run and no slower to compile (docs/training.md,
-    "Compilation and step efficiency")."""
-    import jax
-
-    return jax.default_backend() == "gpu"
 
 
 def default_run_dir(preset: str, attention: str) -> str:
