@@ -15,6 +15,7 @@
 #   bash benchmarks/h200_compile_speed.sh families ARM  # mamba2_gqa-569m and kda_gqa-569m
 #                                                       # (batch FB, default 4: 8 does not fit)
 #   bash benchmarks/h200_compile_speed.sh scan ARM      # small, 16 x 2048, scan on then off
+#   bash benchmarks/h200_compile_speed.sh memory small|569m  # estimate against measured peak
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
@@ -104,6 +105,26 @@ scan)
       --compile-cache off --scan-layers $scan
   done
   ;;
+memory)
+  # the memory estimate against each step's measured peak (benchmarks/memory_calibration.py):
+  # ARM here is the size, small or 569m; every run skips the check, so it trains the layout named
+  if [ "$ARM" = small ]; then
+    LAYOUTS=("--preset small --batch-size 16 --seq-len 2048 --scan-layers off"
+      "--preset small --batch-size 16 --seq-len 2048 --scan-layers on"
+      "--preset small --batch-size 8 --seq-len 8192 --scan-layers off")
+  else
+    LAYOUTS=("--preset 569m --batch-size 8 --seq-len 4096 --scan-layers off"
+      "--preset 569m --batch-size 8 --seq-len 4096 --scan-layers on --remat dots"
+      "--preset 569m --batch-size 4 --seq-len 8192 --scan-layers off")
+  fi
+  dirs=()
+  for i in "${!LAYOUTS[@]}"; do
+    run "memory-$ARM-$i" ${LAYOUTS[$i]} --steps 8 --log-every 4 --eval-every 0 --probe-every 0 \
+      --ckpt-every 0 --attention matched --compile-cache off --skip-memory-check
+    dirs+=("$R/memory-$ARM-$i")
+  done
+  python3 benchmarks/memory_calibration.py "${dirs[@]}" --out "$OUT" | tee "$OUT/memory-$ARM.md"
+  ;;
 statepass)
   for pass in sequential pallas; do
     run "small-300-matched-$pass" --preset small --steps 300 --log-every 10 --eval-every 100 \
@@ -112,7 +133,7 @@ statepass)
   done
   ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan ARM | long | statepass" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan ARM | memory SIZE | long | statepass" >&2
   exit 2
   ;;
 esac

@@ -15,9 +15,11 @@ from benchmarks import (
     correctness,
     cudnn_fp8_probe,
     fp8_linear,
+    memory_calibration,
     ncu_hotspots,
     passes,
     quantize_speed,
+    recurrence_profile,
     recurrence_speed,
 )
 
@@ -280,3 +282,32 @@ def test_recurrence_speed_script_tiny(tmp_path):
     assert rows[0]["diff_o"] == 0 and rows[1] == dict(
         chunk=16, variant="unroll16", error="skipped: time budget"
     )
+
+
+def test_recurrence_profile_script_tiny(tmp_path):
+    """Per-stage device time of two solvers at the tiny shape; their gradients agree."""
+    argv = ["--shape", "tiny", "--iters", "1", "--reps", "1", "--steps", "1"]
+    argv += ["--variants", "sequential,pallas_doubling", "--out", str(tmp_path)]
+    assert recurrence_profile.main(argv) == 0
+    rows = json.load(open(tmp_path / "recurrence_profile_tiny.json"))["rows"]
+    assert [r["variant"] for r in rows] == ["sequential", "pallas_doubling"]
+    for r in rows:
+        assert r["fwdbwd_ms"] > 0 and r["diff_grads"] < 1e-5
+        assert r["by_stage_ms"].get("solve/fwd", 0) > 0  # the stages are named in the trace
+
+
+def test_memory_calibration_reads_a_run(tmp_path, capsys):
+    """The estimate of the step a run dir trained, beside the peak its summary recorded."""
+    from train import config as config_lib
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config_lib.parse_args(["--preset", "tiny", "--batch-size", "2", "--run-dir", str(run)])
+    cfg.save(str(run))
+    (run / "summary.json").write_text(json.dumps(dict(peak_device_bytes=2e9, tokens_per_s=9.0)))
+    assert (
+        memory_calibration.main([str(run), str(tmp_path / "missing"), "--out", str(tmp_path)]) == 0
+    )
+    (row,) = json.load(open(tmp_path / "memory_calibration.json"))
+    assert row["preset"] == "gdn_gqa-tiny" and row["peak_gb"] == 2.0
+    assert row["ratio"] == row["estimate_gb"] / 2.0 and "| run |" in capsys.readouterr().out
