@@ -82,7 +82,8 @@ def attention(
     )  # fmt: skip
     if is_empty(q, k, v):
         return jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
-    return _shared_attention(call, q, k, v, q_ids, kv_ids)
+    shared = call.implementation not in _EAGER_ONLY
+    return (_shared_attention if shared else _attention)(call, q, k, v, q_ids, kv_ids)
 
 
 def prepare_call(
@@ -143,6 +144,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # its VJP and their kernels are lowered (and compiled) once per program, not once per layer:
 # an unscanned model with six attention layers otherwise lowers each Pallas kernel six times.
 _shared_attention = jax.jit(_attention, static_argnums=(0,))
+# Pallas' GPU interpreter (jax 0.11.2) waits forever when its kernels run inside a jit on a
+# 2-core CPU, so a call of it outside any jit stays outside one.
+_EAGER_ONLY = frozenset({"mosaic_interpret"})
 
 
 def _fail(argument, expected, got):
