@@ -74,6 +74,7 @@ class Estimate:
     activations: float
     runtime: float = RUNTIME_BYTES
     remat_hint: str = ""  # for a refusal: a scanned step that rematerialises nothing
+    scannable: bool = False  # the model repeats a layer group that --scan-layers could scan
 
     @property
     def total(self) -> float:
@@ -154,9 +155,10 @@ def estimate(cfg, build: Callable, n_devices: int = 1, *, gpu: bool = False) -> 
         if model_config.remat == "none":
             ratio = SCAN_ACTIVATIONS["dots"] / SCAN_ACTIVATIONS["none"]
             hint = f", or add --remat dots (about {ratio:.0%} of the activations)"
+    scannable = getattr(model_config, "layer_repeats", 1) > 1
     if gpu:
-        return Estimate(state, activations / n_devices, remat_hint=hint)
-    return Estimate(state * n_devices, activations, remat_hint=hint)
+        return Estimate(state, activations / n_devices, remat_hint=hint, scannable=scannable)
+    return Estimate(state * n_devices, activations, remat_hint=hint, scannable=scannable)
 
 
 def available_bytes() -> tuple[Optional[float], str]:
@@ -222,9 +224,17 @@ def _cgroup_room() -> Optional[float]:
 def check(cfg, build: Callable, mesh=None) -> str:
     """Raises InsufficientMemory (one line: what is needed, what is available, what to change)
     when the run cannot fit; otherwise returns a note with the estimate."""
+    return _verdict(cfg, _estimate_here(cfg, build, mesh))
+
+
+def _estimate_here(cfg, build: Callable, mesh) -> Estimate:
+    """`estimate` of run `cfg` on this backend, per device of `mesh`."""
     n = mesh.size if mesh is not None else 1
-    gpu = jax.default_backend() == "gpu"
-    need = estimate(cfg, build, n, gpu=gpu)
+    return estimate(cfg, build, n, gpu=jax.default_backend() == "gpu")
+
+
+def _verdict(cfg, need: Estimate) -> str:
+    """:func:`check`'s note, or its InsufficientMemory, for the estimate `need` of `cfg`."""
     have, where = available_bytes()
     if have is None or need.total <= have:
         return f"memory: needs {need.describe()}" + (f"; {size(have)} {where}" if have else "")
@@ -244,18 +254,19 @@ def check_or_remat(cfg, build: Callable, mesh=None):
     and fits only with --remat dots gets it. The returned cfg says what was chosen, and so
     does the note. Raises InsufficientMemory when no layout fits."""
     unrolled = None  # auto's refusal of the unrolled step, if it tried one
-    scanned = _with_overrides(cfg, scan_layers=True)
-    if cfg.scan_choice == "auto" and _scans(scanned, build):  # else nothing to choose
+    need = None
+    if cfg.scan_choice == "auto":
         flat = _with_overrides(cfg, scan_layers=False)
-        try:
-            return flat, check(flat, build, mesh)
-        except InsufficientMemory as refusal:
-            unrolled, cfg = refusal, scanned
+        need = _estimate_here(flat, build, mesh)
+        if need.scannable:  # else there is no layer scan to choose: cfg's step is flat's
+            try:
+                return flat, _verdict(flat, need)
+            except InsufficientMemory as refusal:
+                unrolled, cfg, need = refusal, _with_overrides(cfg, scan_layers=True), None
+    need = need or _estimate_here(cfg, build, mesh)
     try:
-        note = check(cfg, build, mesh)
+        note = _verdict(cfg, need)
     except InsufficientMemory as refusal:
-        n = mesh.size if mesh is not None else 1
-        need = estimate(cfg, build, n, gpu=jax.default_backend() == "gpu")
         if "remat" in dict(cfg.model.overrides) or not need.remat_hint:
             raise _also_unrolled(refusal, unrolled)
         dots = _with_overrides(cfg, remat="dots")
@@ -280,14 +291,6 @@ def check_or_remat(cfg, build: Callable, mesh=None):
 
 def _with_overrides(cfg, **overrides):
     return dataclasses.replace(cfg, model=cfg.model.with_overrides(**overrides))
-
-
-def _scans(cfg, build) -> bool:
-    """Whether run `cfg`'s model runs a layer scan (a single layer group has none)."""
-    from flax import nnx
-
-    model = nnx.eval_shape(lambda: build(cfg))
-    return bool(getattr(getattr(model, "config", None), "scans_layers", False))
 
 
 def _also_unrolled(refusal: InsufficientMemory, unrolled) -> InsufficientMemory:
