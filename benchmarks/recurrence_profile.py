@@ -7,7 +7,8 @@ chunk size, for each `--variants` name of `recurrence_speed.VARIANTS`: jax.value
 of sum(o) compiled, timed (median over --reps of --iters calls), then --steps calls traced
 with the jax profiler. The device time of each executed operation is added up by the stage
 that `recurrent_chunked`'s named scopes give it (chunk_prep, pair, solve, state_pass; other:
-outside them) and by direction (backward operations carry `transpose` in their op_name).
+outside them; unnamed: operations the compiled text gives no op_name) and by direction
+(backward operations carry `transpose` in their op_name).
 Every variant's gradients are compared with the first variant's (max abs difference), so no
 time stands without its check. Writes recurrence_profile_<shape>.json; prints a table last.
 On the H200 (2026-12-02) the per-stage split held only part of the device time (1.1 of
@@ -20,7 +21,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import sys
 import tempfile
 
@@ -40,7 +40,7 @@ STAGES = ("chunk_prep", "pair", "solve", "state_pass")
 
 
 def stage_of(op_name: str) -> str:
-    words = set(re.findall(r"[A-Za-z0-9_]+", op_name))
+    words = trace_summary.scope_words(op_name)
     return next((s for s in STAGES if s in words), "other")
 
 
@@ -58,11 +58,13 @@ def profile_variant(fwdbwd, args, iters: int, reps: int, steps: int) -> tuple[di
     ms = collections.Counter()
     top = collections.Counter()
     for e in events:
+        dur = float(e.get("dur", 0.0)) * 1e-3 / steps
         op_name = names.get(e["args"]["hlo_op"])
-        if op_name is None:
+        if op_name is None:  # an operation the compiled text gives no op_name: counted apart
+            ms["unnamed"] += dur
+            top[e["args"]["hlo_op"]] += dur
             continue
         direction = "bwd" if "transpose" in op_name else "fwd"
-        dur = float(e.get("dur", 0.0)) * 1e-3 / steps
         ms[f"{stage_of(op_name)}/{direction}"] += dur
         top[op_name.split("/", 1)[-1]] += dur
     row = dict(
@@ -75,7 +77,7 @@ def profile_variant(fwdbwd, args, iters: int, reps: int, steps: int) -> tuple[di
 
 
 def table(rows: list[dict]) -> str:
-    cols = [f"{s}/{d}" for s in STAGES + ("other",) for d in ("fwd", "bwd")]
+    cols = [f"{s}/{d}" for s in STAGES + ("other",) for d in ("fwd", "bwd")] + ["unnamed"]
     lines = [
         "| variant | fwd+bwd ms | device ms | " + " | ".join(cols) + " | grads vs first |",
         "|" + " --- |" * (len(cols) + 4),

@@ -69,9 +69,14 @@ def op_names(hlo_text: str) -> dict:
     return names
 
 
+def scope_words(op_name: str) -> set[str]:
+    """The names in an op_name: its scopes and transformations ("jvp(gdn)" gives "jvp", "gdn")."""
+    return set(re.findall(r"[A-Za-z0-9_]+", op_name))
+
+
 def classify(op_name: str) -> tuple[str, str, str]:
     """(layer kind, op class, "forward" | "backward" | "update") of one op_name."""
-    words = set(re.findall(r"[A-Za-z0-9_]+", op_name))
+    words = scope_words(op_name)
     kind = next((k for k in LAYER_KINDS if k in words), "other")
     op_class = next((c for c in OP_CLASSES if c in words), "other")
     if op_class == "other" and words & _SCAN_WORDS:  # slicing layers, stacking residuals
