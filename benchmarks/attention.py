@@ -78,6 +78,14 @@ def arms(case: Case, implementation="pallas"):
         out[f"mosaic_fp8_{delta}_dq_key_pass"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(backward_dq="key_pass")
         )
+        # head dims over 128: a dQ and a dK/dV launch per 128 columns (the default until
+        # 2026-12-02: one dQ, one dV and one dK launch)
+        out[f"mosaic_fp8_{delta}_per_chunk"] = ours(
+            delta,
+            "fp8",
+            backend="mosaic",
+            config=MosaicConfig(backward_wide_launches="per_chunk"),
+        )
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)

@@ -4,12 +4,14 @@
 
 For each variant (``--stages``: the backward's shared-memory stages; ``--delta-key-tiles``:
 keys per step of the matched-delta pass; ``--pingpong``: the consumer warpgroups take turns
-on the tensor cores) and causality: the matched-delta pass, the dQ pass and the dK/dV pass
-of the main benchmark shape, each timed on its own like benchmarks/passes.py, with their
-TFLOP/s (2, 3 and 4 matmuls), and each result's largest difference from the first
-variant's (``max_rel_diff``: 0 where the variant must be bitwise equal, as ``--pingpong``
-is). A delta key tile other than the first times the delta pass only. Writes
-mosaic_backward.json.
+on the tensor cores; ``--wide-launches``: how head dims over 128 split the dQ and dK/dV
+passes) and causality: the matched-delta pass, the dQ pass and the dK/dV pass of a
+benchmark shape (``--shape``, default main), each timed on its own like
+benchmarks/passes.py, with their TFLOP/s (2, 3 and 4 matmuls of the shape's size, whatever
+the launches recompute), and each result's largest difference from the first variant's
+(``max_rel_diff``: 0 where the variant must be bitwise equal, as ``--pingpong`` and
+``--wide-launches`` are). A delta key tile other than the first times the delta pass only.
+Writes mosaic_backward.json.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 
 from benchmarks.passes import time_fn
 from pallas_kernels.fp8_attention.api import AttentionSpec
-from pallas_kernels.fp8_attention.arg_specs import BENCH_MAIN
+from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES
 from pallas_kernels.fp8_attention.mosaic_gpu import ops
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.tiles import default_tiles
@@ -48,6 +50,12 @@ def main(argv=None):
         default="0",
         help="comma-separated 0/1: the consumer warpgroups take turns on the tensor cores",
     )
+    p.add_argument(
+        "--wide-launches",
+        default="per_chunk",
+        help="comma-separated MosaicConfig.backward_wide_launches (head dims over 128)",
+    )
+    p.add_argument("--shape", default="main", choices=sorted(BENCH_SHAPES))
     p.add_argument("--causal", default="0,1")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=3)
@@ -56,7 +64,7 @@ def main(argv=None):
     rows = []
     start = time.time()
     for causal in [bool(int(c)) for c in args.causal.split(",")]:
-        case = dataclasses.replace(BENCH_MAIN, causal=causal)
+        case = dataclasses.replace(BENCH_SHAPES[args.shape], causal=causal)
         if args.smoke:
             case = case.shrunk()
         q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
@@ -70,20 +78,28 @@ def main(argv=None):
         one = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if causal else 1.0)
         tiles = [int(x) for x in args.delta_key_tiles.split(",")]
         turns = [bool(int(x)) for x in args.pingpong.split(",")]
+        wides = args.wide_launches.split(",")
         stages0 = int(args.stages.split(",")[0])
-        variants = [(int(s), tiles[0], turns[0], PASSES) for s in args.stages.split(",")]
-        variants += [(stages0, tile, turns[0], PASSES[:1]) for tile in tiles[1:]]
-        variants += [(stages0, tiles[0], pp, PASSES) for pp in turns[1:]]
+        w0 = wides[0]
+        variants = [(int(s), tiles[0], turns[0], w0, PASSES) for s in args.stages.split(",")]
+        variants += [(stages0, tile, turns[0], w0, PASSES[:1]) for tile in tiles[1:]]
+        variants += [(stages0, tiles[0], pp, w0, PASSES) for pp in turns[1:]]
+        variants += [(stages0, tiles[0], turns[0], w, PASSES[1:]) for w in wides[1:]]
         first = {}  # pass name -> the first variant's result
-        for stages, delta_key_tile, pingpong, names in variants:
+        for stages, delta_key_tile, pingpong, wide, names in variants:
             config = MosaicConfig(
                 backward_stages=stages,
                 fused_quantize=not args.smoke,
                 delta_key_tile=delta_key_tile,
                 backward_pingpong=pingpong,
+                backward_wide_launches=wide,
             )
             variant = dict(
-                causal=causal, stages=stages, delta_key_tile=delta_key_tile, pingpong=pingpong
+                causal=causal,
+                stages=stages,
+                delta_key_tile=delta_key_tile,
+                pingpong=pingpong,
+                wide_launches=wide,
             )
             try:
                 plan = ops.passes(q, k, v, do, spec=spec, config=config, interpret=args.smoke)
@@ -107,10 +123,14 @@ def main(argv=None):
     with open(os.path.join(args.out, "mosaic_backward.json"), "w") as f:
         info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows)
         json.dump(dict(info, seconds=time.time() - start), f, indent=1)
-    print("| causal | stages | delta key tile | pingpong | pass | ms | TFLOP/s | vs first |")
+    print(
+        f"{args.shape}: | causal | stages | delta key tile | pingpong | wide launches | pass "
+        "| ms | TFLOP/s | vs first |"
+    )
     for r in rows:
         print(
             f"| {r['causal']} | {r['stages']} | {r['delta_key_tile']} | {r['pingpong']} | "
+            f"{r['wide_launches']} | "
             f"{r.get('name', '-')} | {r.get('ms', float('nan')):.3f} | "
             f"{r.get('tflops', float('nan')):.0f} | {r.get('max_rel_diff', float('nan')):.1e} | "
             f"{r.get('error', '')[:60]}"

@@ -35,7 +35,10 @@ F32 = jnp.float32
 
 def time_fn(fn, args, iters, reps):
     """Median seconds of fn(*args); every iteration perturbs (by 0) the first 16- or
-    32-bit float leaf, so the loop cannot hoist the call."""
+    32-bit float leaf, so the loop cannot hoist the call, and reads the first and the last
+    element of every output, so XLA cannot drop a kernel launch whose part of an output
+    (a column chunk joined to others) nothing reads (it did: the second 128-column launch
+    of a head dim 256 pass, 2026-12-02)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     first = next(
         i
@@ -48,7 +51,8 @@ def time_fn(fn, args, iters, reps):
             acc, leaves = carry
             out = fn(*jax.tree_util.tree_unflatten(tree, leaves))
             acc = acc + sum(
-                jnp.sum(o[..., :1, :1].astype(F32)) for o in jax.tree_util.tree_leaves(out)
+                jnp.sum(o[..., :1, :1].astype(F32)) + jnp.sum(o[..., -1:, -1:].astype(F32))
+                for o in jax.tree_util.tree_leaves(out)
             )
             leaves = list(leaves)
             x = leaves[first]

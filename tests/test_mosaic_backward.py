@@ -49,7 +49,11 @@ def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
     cfg = config.MosaicConfig()
     bf16_256, f32_256 = sds(wide, jnp.bfloat16), sds(wide, jnp.float32)
     assert ops.backward_kernels(bf16_256, bf16_256, _spec(d=256), cfg) == "mosaic"
-    assert ops.backward_kernels(f32_256, f32_256, _spec(d=256), cfg) == "triton"
+    # f32 gradients at D=256 fit shared memory one launch per gradient (the dV launch
+    # stages no dO, the dK launch one 128-column tile), not one per chunk
+    assert ops.backward_kernels(f32_256, f32_256, _spec(d=256), cfg) == "mosaic"
+    per_chunk = config.MosaicConfig(backward_wide_launches="per_chunk")
+    assert ops.backward_kernels(f32_256, f32_256, _spec(d=256), per_chunk) == "triton"
     off = config.MosaicConfig(backward_wide_heads=False)
     assert ops.backward_kernels(bf16_256, bf16_256, _spec(d=256), off) == "triton"
     other_tile = _spec(d=128, tiles=NumericsTiles(64, 128, 64, 32))
@@ -86,6 +90,37 @@ PINGPONG_LOWER_CASES = [  # as LOWER_CASES
 def test_pingpong_backward_lowers_for_cuda(case):
     """``backward_pingpong``: the passes with the consumer warpgroups' two-party barrier."""
     _export_backward(case, backward_pingpong=True)
+
+
+PER_GRADIENT_LOWER_CASES = [  # as LOWER_CASES: head dims over 128
+    (1, 256, 256, 2, 1, 256, True, False, "matched", 128),
+    (2, 300, 200, 4, 2, (192, 128), True, True, "matched", 128),
+    (1, 256, 256, 2, 2, (256, 128), False, False, "stale", 128),
+]
+
+
+@NEEDS_011
+@pytest.mark.parametrize("case", PER_GRADIENT_LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_per_gradient_launches_lower_for_cuda(case, monkeypatch):
+    """``backward_wide_launches="per_gradient"``: one dQ launch over every column, then a
+    dV launch and a dK launch, each adding its dot in 128-column pieces."""
+    launches = []
+    real_query, real_key = backward.query_pass, backward.key_pass
+
+    def query(*args, **kwargs):
+        if kwargs["want"] == "dq":
+            launches.append(("dq", kwargs["dq_cols"]))
+        return real_query(*args, **kwargs)
+
+    def key(*args, **kwargs):
+        launches.append(("dkdv", kwargs["dk_cols"], kwargs["dv_cols"]))
+        return real_key(*args, **kwargs)
+
+    monkeypatch.setattr(backward, "query_pass", query)
+    monkeypatch.setattr(backward, "key_pass", key)
+    _export_backward(case, backward_wide_launches="per_gradient")
+    dqk, dv = case[5] if isinstance(case[5], tuple) else (case[5], case[5])
+    assert launches == [("dq", (0, dqk)), ("dkdv", (0, 0), (0, dv)), ("dkdv", (0, dqk), (0, 0))]
 
 
 DQ_KEY_PASS_LOWER_CASES = [  # as LOWER_CASES
@@ -345,10 +380,25 @@ def test_matched_delta_in_128_key_steps_equals_64():
         )
 
 
+def _causal_gqa_backward(seed, t, d, wide_launches):
+    """((q, k, v, do), spec, config, out, lse, the interpret-mode backward): causal
+    `matched`, GQA 2/1, head dim ``d``, random normal inputs."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q, do = (jax.random.normal(key, (1, t, 2, d)) for key in ks[:2])
+    k, v = (jax.random.normal(key, (1, t, 1, d)) for key in ks[2:])
+    spec = _spec(True, "matched", d)
+    cfg = config.MosaicConfig(fused_quantize=False, backward_wide_launches=wide_launches)
+    out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+    whole = ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True)
+    return (q, k, v, do), spec, cfg, out, lse, whole
+
+
 @NEEDS_011
 def test_column_chunks_equal_one_launch(monkeypatch):
-    """Head dims over 128 run one dQ and one dK/dV launch per 128 columns, each recomputing
-    S and dP^ in full. At D=64 (the GPU interpreter does not finish D >= 128 on a 2-core
+    """``backward_wide_launches="per_chunk"``: head dims over 128 run one dQ and one dK/dV
+    launch per 128 columns, each recomputing S and dP^ in full. At D=64 (the GPU interpreter does not finish D >= 128 on a 2-core
     machine): dQ in two 32-column launches equals the one launch's, and a key-pass launch
     that forms dK alone (192/128's last chunk) gives the same dK. The key pass in 32-column
     launches never finishes in jax 0.11.2's GPU interpreter (one launch of 128 columns per
@@ -360,14 +410,14 @@ def test_column_chunks_equal_one_launch(monkeypatch):
     assert backward.column_chunks(192) == [(0, 128), (128, 64)]
     assert backward.column_chunks(64) == [(0, 64)]
     assert backward.key_pass_launches(192, 128) == [((0, 128), (0, 128)), ((128, 64), (0, 0))]
-    b, t, hq, hkv, d = 1, 192, 2, 1, 64
-    ks = jax.random.split(jax.random.PRNGKey(9), 4)
-    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
-    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
-    spec = _spec(True, "matched", d)
-    cfg = config.MosaicConfig(fused_quantize=False)
-    out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
-    whole = ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True)
+    assert backward.key_pass_launches(192, 128, "per_gradient") == [
+        ((0, 0), (0, 128)),
+        ((0, 192), (0, 0)),
+    ]
+    assert backward.key_pass_launches(128, 128, "per_gradient") == [((0, 128), (0, 128))]
+    assert backward.query_pass_launches(256, "per_gradient") == [(0, 256)]
+    t, d = 192, 64
+    (q, k, v, do), spec, cfg, out, lse, whole = _causal_gqa_backward(9, t, d, "per_chunk")
     operands = ops._operands(q, k, v, lse, do, None, None, spec, cfg, True)
     tp = operands.lse2.shape[2]
     rows = backward_ops.query_rows(operands, jnp.pad(whole.delta, ((0, 0), (0, 0), (0, tp - t))))
@@ -388,7 +438,7 @@ def test_column_chunks_equal_one_launch(monkeypatch):
     assert bool(jnp.all(dk_alone[:, :t] == whole.dk)), "dK without dV"
     launches = []
     monkeypatch.setattr(backward, "column_chunks", lambda d: [(0, d // 2), (d // 2, d // 2)])
-    monkeypatch.setattr(backward, "key_pass_launches", lambda dqk, dv: [((0, dqk), (0, dv))])
+    monkeypatch.setattr(backward, "key_pass_launches", lambda dqk, dv, *_: [((0, dqk), (0, dv))])
     real_query_pass = backward.query_pass
 
     def counted_query_pass(*args, **kwargs):
@@ -401,6 +451,38 @@ def test_column_chunks_equal_one_launch(monkeypatch):
     assert float(jnp.max(jnp.abs(whole.dq))) > 0
     # (to FP32 rounding: the interpreter's dots of 32 and 64 columns sum in other orders)
     assert float(jnp.max(jnp.abs(halves.dq - whole.dq)) / jnp.max(jnp.abs(whole.dq))) < 1e-6
+
+
+@NEEDS_011
+def test_per_gradient_launches_equal_one_launch(monkeypatch):
+    """``backward_wide_launches="per_gradient"``: dQ in one launch, dV alone, then dK alone,
+    each dot added in pieces of MAX_COLUMNS columns. At D=64 with MAX_COLUMNS set to 32
+    (the GPU interpreter does not finish D >= 128 on a 2-core machine), so every launch
+    takes two 32-column pieces through one reused staging tile: equal to the whole
+    64-column launch to FP32 rounding (the interpreter's dots of 32 and 64 columns sum in
+    other orders), causal, GQA and ragged lengths."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    d = 64
+    (q, k, v, do), spec, cfg, out, lse, whole = _causal_gqa_backward(11, 160, d, "per_gradient")
+    launches = []
+    real_key = backward.key_pass
+
+    def key(*args, **kwargs):
+        launches.append((kwargs["dk_cols"], kwargs["dv_cols"]))
+        return real_key(*args, **kwargs)
+
+    monkeypatch.setattr(backward, "MAX_COLUMNS", 32)
+    monkeypatch.setattr(backward, "key_pass", key)
+    assert backward.column_pieces(d) == [(0, 32), (32, 32)]
+    pieces = ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True)
+    assert launches == [((0, 0), (0, d)), ((0, d), (0, 0))]  # dV alone, then dK alone
+    assert bool(jnp.all(pieces.delta == whole.delta))
+    for name in ("dq", "dk", "dv"):
+        ref, got = getattr(whole, name), getattr(pieces, name)
+        scale = float(jnp.max(jnp.abs(ref)))
+        assert scale > 0 and bool(jnp.all(jnp.isfinite(got))), name
+        assert float(jnp.max(jnp.abs(got - ref))) / scale < 1e-6, name
 
 
 def test_finite_row_amax_ignores_inf_and_nan_bit_for_bit():

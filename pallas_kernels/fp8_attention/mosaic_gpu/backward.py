@@ -62,8 +62,9 @@ F16 = jnp.float16
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 MAX_HEAD_DIM = 256
-# accumulator columns of one launch: dK and dV of a 64-key warpgroup, 128 columns each,
-# fill its registers; wider heads run one launch per column chunk (:func:`column_chunks`)
+# accumulator columns of one fresh dot, and of each of dK and dV when one launch forms
+# both (with a fresh dot, 192 registers per thread); wider gradients form their dots in
+# pieces (:func:`column_pieces`), in one launch each or one launch per chunk
 MAX_COLUMNS = 128
 REDUCTION_SCRATCH = 128  # f32 per warpgroup for the cross-warp max of a dS tile
 ROWS = 5  # per-query rows of q_rows: lse2, delta, inv_q, inv_do, poison
@@ -150,18 +151,18 @@ def _padded(mask: ForwardMask, tp: int, sp: int) -> bool:
     return mask.t != tp or mask.s != sp
 
 
-def _dots(a1, b1, a2, b2, shape, after_issue=None):
-    """(a1 @ b1, a2 @ b2) in fresh f32 accumulators, issued together (one wait);
+def _dots(pairs, shape, after_issue=None):
+    """[a @ b for (a, b) in pairs] in fresh f32 accumulators, issued together (one wait);
     ``after_issue()`` runs between issuing them and waiting for them."""
 
-    def body(acc1, acc2):
-        plgpu.wgmma(acc1, a1, b1)
-        plgpu.wgmma(acc2, a2, b2)
+    def body(*accs):
+        for acc, (a, b) in zip(accs, pairs):
+            plgpu.wgmma(acc, a, b)
         if after_issue is not None:
             after_issue()
-        return acc1[...], acc2[...]
+        return tuple(acc[...] for acc in accs)
 
-    return pl.run_scoped(body, plgpu.ACC(shape, F32), plgpu.ACC(shape, F32))
+    return pl.run_scoped(body, *(plgpu.ACC(shape, F32) for _ in pairs))
 
 
 class _Schedule:
@@ -212,12 +213,14 @@ class _Schedule:
             plgpu.barrier_wait(self.barrier)
 
 
-def _register_dot(a8, b_ref, shape, interpret, a_smem):
+def _register_dot(a8, b_ref, shape, interpret, a_smem, staged=False):
     """a8 (e4m3, registers, regrouped) @ b_ref in a fresh f32 accumulator. Pallas' GPU
-    interpreter takes wgmma's A operand from shared memory only: it goes through ``a_smem``."""
+    interpreter takes wgmma's A operand from shared memory only: it goes through ``a_smem``
+    (``staged``: already there)."""
     if interpret:
-        a_smem[...] = a8
-        plgpu.commit_smem()
+        if not staged:
+            a_smem[...] = a8
+            plgpu.commit_smem()
         a8 = a_smem
 
     def body(acc_ref):
@@ -225,6 +228,58 @@ def _register_dot(a8, b_ref, shape, interpret, a_smem):
         return acc_ref[...]
 
     return pl.run_scoped(body, plgpu.ACC(shape, F32))
+
+
+def _accumulate(accs, a8, bt_ref, factor, interpret, a_smem):
+    """accs[n] + (a8 @ bt_ref[cols_n]^T) * factor for each piece n of the accumulator's
+    columns (:func:`column_pieces`): one fresh f32 accumulator of at most MAX_COLUMNS
+    columns at a time, so a launch holds up to MAX_HEAD_DIM columns (``bt_ref``: the
+    K-major operand, one row per accumulator column). Each column's sum is the one a
+    launch of that piece alone forms. ``factor(shape)``: the tile's descale."""
+    out = []
+    for n, ((lo, width), acc) in enumerate(zip(column_pieces(bt_ref.shape[0]), accs)):
+        b_ref = bt_ref.at[pl.ds(lo, width)].T if len(accs) > 1 else bt_ref.T
+        part = _register_dot(a8, b_ref, (TILE, width), interpret, a_smem, staged=n > 0)
+        out.append(acc + part * factor(part.shape))
+    return tuple(out)
+
+
+def _zero_pieces(cols: int):
+    """Zeroed accumulators for ``cols`` columns, one per :func:`column_pieces` piece."""
+    return tuple(
+        plgpu.layout_cast(jnp.zeros((TILE, w), F32), plgpu.Layout.WGMMA)
+        for _, w in column_pieces(cols)
+    )
+
+
+def _store_pieces(accs, bufs, dst, out_dtype):
+    """The accumulator pieces to global memory, ``dst(first, count)`` the destination of a
+    piece's columns; ``bufs`` one staging tile per piece, or a single one that every piece
+    reuses once the previous piece's copy has read it (equal widths: less shared memory)."""
+    cols = column_pieces(sum(acc.shape[1] for acc in accs))
+    for n, ((lo, width), acc) in enumerate(zip(cols, accs)):
+        buf = bufs[n] if len(bufs) > 1 else bufs[0]
+        if n and len(bufs) == 1:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        buf[...] = acc.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf, dst(lo, width))
+
+
+def _staging(cols: int, out_dtype, lead=(WARPGROUPS,)):
+    """The shared-memory tiles :func:`_store_pieces` writes through for ``cols`` columns."""
+    widths = [w for _, w in column_pieces(cols)]
+    if len(set(widths)) == 1:
+        widths = widths[:1]
+    return tuple(
+        plgpu.SMEM(lead + (TILE, w), out_dtype, transforms=out_transforms(out_dtype))
+        for w in widths
+    )
+
+
+def _staging_bytes(cols: int, itemsize: int) -> int:
+    widths = [w for _, w in column_pieces(cols)]
+    return TILE * (widths[0] if len(set(widths)) == 1 else cols) * itemsize
 
 
 def _transposed_operand(ds8t, ds_t_smem, to_operand):
@@ -320,7 +375,8 @@ def query_pass(
         (``want="delta"``, which forms no dS: one K and one V scale block per step).
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
       dq_cols: (first, count): the columns of dQ this launch forms (default all, at most
-        MAX_COLUMNS); S and dP^ always contract the whole head dims.
+        MAX_HEAD_DIM, in pieces of MAX_COLUMNS: :func:`_accumulate`); S and dP^ always
+        contract the whole head dims.
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, count] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -338,8 +394,8 @@ def query_pass(
             f"got {key_tile} for want={want!r}, S={sp}"
         )
     (dq0, cq) = dq_cols or (0, dqk)
-    if want_dq and not 0 < cq <= MAX_COLUMNS:
-        raise ValueError(f"dq_cols: 1-{MAX_COLUMNS} columns, got {cq}")
+    if want_dq and not 0 < cq <= MAX_HEAD_DIM:
+        raise ValueError(f"dq_cols: 1-{MAX_HEAD_DIM} columns, got {cq}")
     cq = cq if want_dq else 0
     stages = fitting(stages, lambda n: query_pass_smem(n, dqk, dv, cq, key_tile, out_dtype))
     group = hq // hkv
@@ -403,10 +459,7 @@ def query_pass(
                 _wait_all((k_bars, v_bars, aux_bars), slot)
                 shape = (TILE, key_tile)
                 s, dp = _dots(
-                    q_smem,
-                    k_smem.at[slot].T,
-                    do_smem,
-                    v_smem.at[slot].T,
+                    ((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T)),
                     shape,
                     turns.after_issue,
                 )
@@ -435,20 +488,22 @@ def query_pass(
                 plgpu.barrier_wait(kt_bars.at[slot])
                 turns.wait()
                 a_smem = a_smem2.at[wg] if interpret else None
-                part = _register_dot(a8, kt_smem.at[slot].T, (TILE, cq), interpret, a_smem)
+                n_dq = len(carry) - 4 * with_stats  # dQ's column pieces
+
+                def descale(shape):
+                    return (sm_scale / _scale(amax, shape)) * _rows(inv_k, shape)
+
+                dq = _accumulate(carry[:n_dq], a8, kt_smem.at[slot], descale, interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
-                shape = part.shape
-                dq = carry[0] + part * ((sm_scale / _scale(amax, shape)) * _rows(inv_k, shape))
                 if not with_stats:
-                    return (dq,)
+                    return dq
                 post = ds8.astype(F32) / _scale(amax, ds.shape)  # decoded dS^
                 sums = (ds, jnp.abs(ds), post, jnp.abs(post))
-                return (dq,) + tuple(acc + x.sum(axis=1) for acc, x in zip(carry[1:], sums))
+                return dq + tuple(acc + x.sum(axis=1) for acc, x in zip(carry[n_dq:], sums))
 
             row_zeros = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROW)
             if want_dq:
-                init = (plgpu.layout_cast(jnp.zeros((TILE, cq), F32), plgpu.Layout.WGMMA),)
-                init += (row_zeros,) * (4 * with_stats)
+                init = _zero_pieces(cq) + (row_zeros,) * (4 * with_stats)
             else:
                 init = row_zeros
             turns.start()
@@ -464,18 +519,22 @@ def query_pass(
 
             turns.finish()
 
-            out_smem = out_smem2.at[wg]
             if want_dq:
-                out_smem[...] = carry[0].astype(out_dtype)
-                dst = out_ref.at[batch, q_rows_, head]  # [B, Tp, Hq, Dqk]
-                for n, stat in enumerate(carry[1:]):
+                n_dq = len(carry) - 4 * with_stats
+                for n, stat in enumerate(carry[n_dq:]):
                     stats_smem2.at[wg, n][...] = stat
+                _store_pieces(  # dQ [B, Tp, Hq, Dqk]
+                    carry[:n_dq],
+                    [buf.at[wg] for buf in out_smem2],
+                    lambda lo, width: out_ref.at[batch, q_rows_, head, pl.ds(lo, width)],
+                    out_dtype,
+                )
             else:
-                out_smem[...] = carry
-                dst = out_ref.at[batch, head, q_rows_]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, dst)
+                out_smem2.at[wg][...] = carry
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem2.at[wg], out_ref.at[batch, head, q_rows_])
             if with_stats:
+                plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(stats_smem2.at[wg], stats_ref.at[batch, head, :, q_rows_])
             plgpu.wait_smem_to_gmem(0)
 
@@ -505,9 +564,7 @@ def query_pass(
 
     def dm_fp8_attention_query_pass_mosaic(*refs):  # the kernel's name in profiles
         if want_dq:
-            out_smem = plgpu.SMEM(
-                (WARPGROUPS, TILE, cq), out_dtype, transforms=out_transforms(out_dtype)
-            )
+            out_smem = _staging(cq, out_dtype)
         else:
             out_smem = plgpu.SMEM((WARPGROUPS, TILE), F32)
         smem = (
@@ -588,8 +645,11 @@ def key_pass(
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
       dk_cols, dv_cols: (first, count): the columns of dK and of dV this launch forms
-        (default all; a count of 0 for dV forms dK alone). S^T and dP^T always contract
-        the whole head dims; each column's sums are those of a launch with every column.
+        (default all). A count of 0 for dV forms dK alone, one for dK dV alone (no dP^T,
+        no dS: S^T and the dV dot only). Alone, either takes up to MAX_HEAD_DIM columns
+        (in pieces of MAX_COLUMNS: :func:`_accumulate`); together, MAX_COLUMNS each. S^T
+        and dP^T always contract the whole head dims; each column's sums are those of a
+        launch with every column.
       kt8 [B, Hkv, Dqk, Sp]: K's permuted K-major copy; given, the pass also forms dQ
         (``dk_cols``' columns): dQ_i += (dS^ K8) (sm_scale / s inv_k) per tile, the query
         pass' dot, with dS^ read back transposed (:func:`_transposed_operand`) and each
@@ -597,16 +657,20 @@ def key_pass(
         blocks' adds land in any order.
     Returns:
       dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
-      layout); dV is None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
+      layout), None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
     """
     b, hq, tp, dqk = q8.shape
     hkv, sp, dv = k8.shape[1], k8.shape[2], v8.shape[3]
     (dk0, ck), (dv0, cv) = dk_cols or (0, dqk), dv_cols or (0, dv)
-    if not (0 < ck <= MAX_COLUMNS and 0 <= cv <= MAX_COLUMNS):
+    want_dk, want_dv, want_dq = ck > 0, cv > 0, kt8 is not None
+    most = MAX_COLUMNS if want_dk and want_dv else MAX_HEAD_DIM
+    if not (want_dk or want_dv) or max(ck, cv) > most or min(ck, cv) < 0:
         raise ValueError(
-            f"dk_cols / dv_cols: 1-{MAX_COLUMNS} and 0-{MAX_COLUMNS} columns, got {ck}, {cv}"
+            f"dk_cols / dv_cols: 0-{MAX_COLUMNS} columns each, or one of them 0 and the "
+            f"other up to {MAX_HEAD_DIM}; got {ck}, {cv}"
         )
-    want_dv, want_dq = cv > 0, kt8 is not None
+    if want_dq and not (want_dk and ck <= MAX_COLUMNS):
+        raise ValueError(f"kt8 (dQ in the key pass) needs 1-{MAX_COLUMNS} dK columns, got {ck}")
     stages = fitting(stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype, want_dq))
     group = hq // hkv
     n_q = tp // TILE
@@ -619,7 +683,7 @@ def key_pass(
         kt_ref = rest.pop(0) if want_dq else None
         qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
         dq_ref = rest.pop(0) if want_dq else None  # f32 dQ, zeros before the pass
-        dk_ref = rest.pop(0)
+        dk_ref = rest.pop(0) if want_dk else None
         dv_ref = rest.pop(0) if want_dv else None
         (scratch,) = rest
         smem, bars = scratch
@@ -670,18 +734,13 @@ def key_pass(
                 dk, dv_acc = carry
                 slot = lax.rem(n, stages)
                 head, i = locate(n)
-                _wait_all((q_bars, do_bars, rows_bars), slot)
-                st, dpt = _dots(
-                    k_smem,
-                    q_smem.at[slot].T,
-                    v_smem,
-                    do_smem.at[slot].T,
-                    (TILE, TILE),
-                    turns.after_issue,
-                )
+                _wait_all((q_bars, rows_bars) + (do_bars,) * want_dk, slot)
+                pairs = ((k_smem, q_smem.at[slot].T),)
+                if want_dk:
+                    pairs += ((v_smem, do_smem.at[slot].T),)
+                st, *dpt = _dots(pairs, (TILE, TILE), turns.after_issue)
                 rows = rows_smem.at[slot]
                 lse2 = plgpu.load(rows.at[0], (), layout=COL)
-                delta = plgpu.load(rows.at[1], (), layout=COL)
                 inv_q, inv_do = _row(rows.at[2]), _row(rows.at[3])
                 q_poison = plgpu.load(rows.at[4], (), layout=COL)
                 # query_pass' S2 bit for bit but the sign of a zero (which exp2 ignores):
@@ -695,26 +754,39 @@ def key_pass(
                         q_seg = plgpu.load(qseg_smem.at[slot], (), layout=COL)
                     s2 = _masked(mask, s2, i * TILE, key0, True, q_seg, k_seg)
                 pt = jnp.exp2(s2 - lax.broadcast_in_dim(lse2, s2.shape, [1]))
-                dpt = dpt * _rows(inv_do * inv_v, dpt.shape)
-                dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
-                ds8t, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
-                p8 = to_operand(numerics.cast_probabilities(pt, "fp8")) if want_dv else None
-                p8, ds8, amax, dk, dv_acc = turns.arrive((p8, to_operand(ds8t), amax, dk, dv_acc))
+                ds8t = ds8 = amax = p8 = None
+                if want_dk:
+                    delta = plgpu.load(rows.at[1], (), layout=COL)
+                    dpt = dpt[0] * _rows(inv_do * inv_v, st.shape)
+                    dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
+                    ds8t, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
+                    ds8 = to_operand(ds8t)
+                if want_dv:
+                    p8 = to_operand(numerics.cast_probabilities(pt, "fp8"))
+                p8, ds8, amax, dk, dv_acc = turns.arrive((p8, ds8, amax, dk, dv_acc))
                 a_smem = a_smem2.at[wg] if interpret else None
                 if want_dv:
                     plgpu.barrier_wait(dot_bars.at[slot])
                 turns.wait()
                 if want_dv:
-                    part = _register_dot(p8, dot_smem.at[slot].T, (TILE, cv), interpret, a_smem)
-                    scale = _rows(inv_do * (1.0 / numerics.P_SCALE), part.shape)
-                    dv_acc = dv_acc + part * scale
+
+                    def dv_scale(shape):
+                        return _rows(inv_do * (1.0 / numerics.P_SCALE), shape)
+
+                    dv_acc = _accumulate(dv_acc, p8, dot_smem.at[slot], dv_scale, interpret, a_smem)
+                if not want_dk:
+                    plgpu.barrier_arrive(free.at[slot])
+                    return dk, dv_acc
                 plgpu.barrier_wait(qt_bars.at[slot])
-                part = _register_dot(ds8, qt_smem.at[slot].T, (TILE, ck), interpret, a_smem)
+
+                def dk_scale(shape):  # dS^'s descale (for dK and dQ alike) and Q's
+                    return (sm_scale / _scale(amax, shape)) * _rows(inv_q, shape)
+
+                dk = _accumulate(dk, ds8, qt_smem.at[slot], dk_scale, interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
-                shape = part.shape
-                descale = sm_scale / _scale(amax, shape)  # dS^'s, for dK and dQ alike
-                dk = dk + part * (descale * _rows(inv_q, shape))
                 if want_dq:
+                    shape = (TILE, ck)
+                    descale = sm_scale / _scale(amax, shape)
                     ds8 = _transposed_operand(ds8t, ds_t_smem2.at[wg], to_operand)
                     part = _register_dot(ds8, kt_smem2.at[wg].T, (TILE, ck), interpret, a_smem)
                     part = part * (descale * _rows(inv_k, shape))
@@ -738,9 +810,8 @@ def key_pass(
                     mid, lo + per_head, functools.partial(step, masked=False), carry
                 )
 
-            zeros = lambda d: plgpu.layout_cast(jnp.zeros((TILE, d), F32), plgpu.Layout.WGMMA)  # noqa: E731
             turns.start()
-            init = (zeros(ck), zeros(cv) if want_dv else None)
+            init = (_zero_pieces(ck) if want_dk else None, _zero_pieces(cv) if want_dv else None)
             dk, dv_acc = lax.fori_loop(0, group, head_steps, init)
             turns.finish()
             if want_dq:
@@ -749,13 +820,14 @@ def key_pass(
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 plgpu.barrier_arrive(dq_done)
                 plgpu.barrier_wait(dq_done)
-            dk_smem2.at[wg][...] = dk.astype(out_dtype)
-            if want_dv:
-                dv_smem2.at[wg][...] = dv_acc.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dk_smem2.at[wg], dk_ref.at[batch, keys, kv_head])
-            if want_dv:
-                plgpu.copy_smem_to_gmem(dv_smem2.at[wg], dv_ref.at[batch, keys, kv_head])
+            for acc, bufs, out_ref in ((dk, dk_smem2, dk_ref), (dv_acc, dv_smem2, dv_ref)):
+                if acc is not None:  # [B, Sp, Hkv, D]
+                    _store_pieces(
+                        acc,
+                        [buf.at[wg] for buf in bufs],
+                        lambda lo, width, r=out_ref: r.at[batch, keys, kv_head, pl.ds(lo, width)],
+                        out_dtype,
+                    )
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == WARPGROUPS)
@@ -768,12 +840,14 @@ def key_pass(
                 at = (batch, head)
                 copies = [
                     (q_ref.at[at + (rows,)], q_smem, q_bars),
-                    (do_ref.at[at + (rows,)], do_smem, do_bars),
                     (rows_ref.at[at + (i,)], rows_smem, rows_bars),
                 ]
+                if want_dk:
+                    copies.append((do_ref.at[at + (rows,)], do_smem, do_bars))
                 if want_dv:
                     copies.append((dot_ref.at[at + (pl.ds(dv0, cv), rows)], dot_smem, dot_bars))
-                copies.append((qt_ref.at[at + (pl.ds(dk0, ck), rows)], qt_smem, qt_bars))
+                if want_dk:
+                    copies.append((qt_ref.at[at + (pl.ds(dk0, ck), rows)], qt_smem, qt_bars))
                 if mask.segments:
                     copies.append((qseg_ref.at[batch, rows], qseg_smem, seg_bars))
                 _copy_to_slot(copies, slot)
@@ -785,10 +859,8 @@ def key_pass(
 
     def dm_fp8_attention_key_pass_mosaic(*refs):  # the kernel's name in profiles
         outs = (
-            plgpu.SMEM((WARPGROUPS, TILE, ck), out_dtype, transforms=out_transforms(out_dtype)),
-            plgpu.SMEM((WARPGROUPS, TILE, cv), out_dtype, transforms=out_transforms(out_dtype))
-            if want_dv
-            else None,
+            _staging(ck, out_dtype) if want_dk else None,
+            _staging(cv, out_dtype) if want_dv else None,
         )
         if want_dq:
             stage = plgpu.SMEM((WARPGROUPS, TILE, ck), F32, transforms=out_transforms(F32))
@@ -802,8 +874,10 @@ def key_pass(
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
             plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
-            plgpu.SMEM((stages, ck, TILE), fp8, transforms=fp8_transforms(TILE)),
-            plgpu.SMEM((stages, TILE, dv), fp8, transforms=fp8_transforms(dv)),
+            plgpu.SMEM((stages, ck, TILE), fp8, transforms=fp8_transforms(TILE))
+            if want_dk
+            else None,
+            plgpu.SMEM((stages, TILE, dv), fp8, transforms=fp8_transforms(dv)) if want_dk else None,
             plgpu.SMEM((stages, cv, TILE), fp8, transforms=fp8_transforms(TILE))
             if want_dv
             else None,
@@ -840,48 +914,76 @@ def key_pass(
         blocks = sp // TILE if interpret else 1
         dq = jax.new_ref(jnp.zeros((blocks, b, tp, hq, ck), F32))
         args.append(dq)
-    out_type = [jax.ShapeDtypeStruct((b, sp, hkv, ck), out_dtype)]
+    out_type = [jax.ShapeDtypeStruct((b, sp, hkv, ck), out_dtype)] * want_dk
     out_type += [jax.ShapeDtypeStruct((b, sp, hkv, cv), out_dtype)] * want_dv
     grid, grid_names = (hkv, sp // CTA_TOKENS, b), ("heads", "k_seq", "batch")
     outs = warp_specialized_call(
         dm_fp8_attention_key_pass_mosaic, out_type, grid, grid_names, interpret
     )(*args)
-    dk, dv_out = outs[0], (outs[1] if want_dv else None)
+    outs = list(outs)
+    dk = outs.pop(0) if want_dk else None
+    dv_out = outs.pop(0) if want_dv else None
     if want_dq:
         return dk, dv_out, dq[...].sum(axis=0)
     return dk, dv_out
 
 
-def column_chunks(d: int) -> list[tuple[int, int]]:
-    """(first, count) of each launch's accumulator columns for head dim ``d``: one chunk
-    up to MAX_COLUMNS, else chunks of MAX_COLUMNS and the rest (256: two of 128; 192: 128
-    and 64)."""
+def column_pieces(d: int) -> list[tuple[int, int]]:
+    """(first, count) of the accumulator pieces of ``d`` columns: one up to MAX_COLUMNS,
+    else pieces of MAX_COLUMNS and the rest (256: two of 128; 192: 128 and 64). Each piece
+    is one fresh accumulator of a launch's dot (:func:`_accumulate`)."""
     return [(lo, min(MAX_COLUMNS, d - lo)) for lo in range(0, d, MAX_COLUMNS)]
 
 
-def key_pass_launches(dqk: int, dv: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-    """(dk_cols, dv_cols) of each key-pass launch: the n-th dK chunk with the n-th dV chunk,
-    or with (0, 0) (dK alone) once dV's chunks are used up (192/128's second launch).
-    Needs no more dV chunks than dK chunks (``backward_ops.reason`` checks)."""
+def column_chunks(d: int) -> list[tuple[int, int]]:
+    """(first, count) of each launch's accumulator columns for head dim ``d`` with
+    ``wide="per_chunk"``: one launch per :func:`column_pieces` piece."""
+    return column_pieces(d)
+
+
+WIDE_LAUNCHES = ("per_chunk", "per_gradient")
+
+
+def key_pass_launches(
+    dqk: int, dv: int, wide: str = "per_chunk"
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(dk_cols, dv_cols) of each key-pass launch. Head dims up to MAX_COLUMNS: one launch
+    of both. Wider, ``wide="per_chunk"``: the n-th dK chunk with the n-th dV chunk, or with
+    (0, 0) (dK alone) once dV's chunks are used up (192/128's second launch; needs no more
+    dV chunks than dK chunks, ``backward_ops.reason`` checks); ``"per_gradient"``: dV alone
+    (S^T and the dV dot), then dK alone, each over all its columns in MAX_COLUMNS pieces,
+    so the dS math and dP^T run once per tile instead of once per chunk."""
+    if wide not in WIDE_LAUNCHES:
+        raise ValueError(f"wide must be one of {WIDE_LAUNCHES}, got {wide!r}")
+    if max(dqk, dv) <= MAX_COLUMNS:
+        return [((0, dqk), (0, dv))]
+    if wide == "per_gradient":
+        return [((0, 0), (0, dv)), ((0, dqk), (0, 0))]
     dv_chunks = column_chunks(dv)
     dk_chunks = column_chunks(dqk)
     return list(zip(dk_chunks, dv_chunks + [(0, 0)] * (len(dk_chunks) - len(dv_chunks))))
+
+
+def query_pass_launches(dqk: int, wide: str = "per_chunk") -> list[tuple[int, int]]:
+    """dq_cols of each dQ-pass launch: all columns in one (``"per_gradient"``, in
+    MAX_COLUMNS pieces), or one launch per :func:`column_chunks` chunk."""
+    return [(0, dqk)] if wide == "per_gradient" else column_chunks(dqk)
 
 
 def key_pass_smem(
     stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype, with_dq: bool = False
 ) -> int:
     """Shared memory of a key-pass CTA forming ck columns of dK and cv of dV: K, V and the
-    output tiles per consumer warpgroup, Q, Q^T's ck rows, dO, dO^T's cv rows per stage.
-    ``with_dq``: also K^T's ck rows and the 16-bit dS^ transpose per warpgroup, and the
-    f32 dQ staging where it outgrows the output tiles it shares memory with."""
+    output staging per consumer warpgroup, Q, Q^T's ck rows, dO (with dK), dO^T's cv rows
+    per stage. ``with_dq``: also K^T's ck rows and the 16-bit dS^ transpose per warpgroup,
+    and the f32 dQ staging where it outgrows the output tiles it shares memory with."""
     out = jnp.dtype(out_dtype).itemsize
-    outs = TILE * (ck + cv) * out
+    outs = sum(_staging_bytes(cols, out) for cols in (ck, cv) if cols)
     if with_dq:
         outs = max(outs, TILE * ck * 4) + ck * TILE + TILE * TILE * 2
     per_wg = TILE * (dqk + dv) + outs + 3 * TILE * 4 + TILE * TILE
     per_wg += REDUCTION_SCRATCH * 4
-    per_stage = TILE * (dqk + dv) + (ck + cv) * TILE + ROWS * TILE * 4 + TILE * 4
+    per_stage = TILE * (dqk + (dv if ck else 0)) + (ck + cv) * TILE + ROWS * TILE * 4 + TILE * 4
     return WARPGROUPS * per_wg + stages * per_stage + 4096
 
 
@@ -898,18 +1000,21 @@ def query_pass_smem(stages: int, dqk: int, dv: int, cq: int, key_tile: int, out_
     """Shared memory of a query-pass CTA (cq columns of dQ; 0 for the delta pass): Q, dO,
     the row data and the output tile per consumer warpgroup, K, V, K^T's cq rows per stage."""
     out = jnp.dtype(out_dtype).itemsize
-    per_wg = TILE * (dqk + dv) + ROWS * TILE * 4 + TILE * max(cq * out, 4) + 4 * TILE * 4
+    staging = _staging_bytes(cq, out) if cq else TILE * 4
+    per_wg = TILE * (dqk + dv) + ROWS * TILE * 4 + staging + 4 * TILE * 4
     per_wg += TILE * TILE + REDUCTION_SCRATCH * 4
     per_stage = key_tile * (dqk + dv) + cq * TILE + 3 * key_tile * 4 + key_tile * 4
     return WARPGROUPS * per_wg + stages * per_stage + 4096
 
 
-def smem_fits(dqk: int, dv: int, out_dtype) -> bool:
+def smem_fits(dqk: int, dv: int, out_dtype, wide: str = "per_chunk") -> bool:
     """Whether every pass fits shared memory with one stage at least (each pass runs the
     most stages up to the config's that fit)."""
-    launches = key_pass_launches(dqk, dv)
+    launches = key_pass_launches(dqk, dv, wide)
     key = max(key_pass_smem(1, dqk, dv, ck, cv, out_dtype) for (_, ck), (_, cv) in launches)
-    query = max(query_pass_smem(1, dqk, dv, cq, TILE, out_dtype) for _, cq in column_chunks(dqk))
+    query = max(
+        query_pass_smem(1, dqk, dv, cq, TILE, out_dtype) for _, cq in query_pass_launches(dqk, wide)
+    )
     delta = query_pass_smem(1, dqk, dv, 0, BLOCK, out_dtype)
     return max(key, query, delta) <= SMEM_BYTES
 
@@ -920,9 +1025,11 @@ __all__ = [
     "MAX_HEAD_DIM",
     "TILE",
     "column_chunks",
+    "column_pieces",
     "dq_in_key_pass_fits",
     "key_pass",
     "key_pass_launches",
+    "query_pass_launches",
     "query_pass",
     "smem_fits",
 ]

@@ -1,9 +1,11 @@
 """The Mosaic GPU backward from the public layout: quantize, delta, dQ, dK/dV, unpad.
 
 Runs where :func:`reason` returns None (head dims up to 256, the 64 x 64 dS scale tile);
-``ops.py`` sends every other call to the Triton passes. Head dims over 128 run the dQ and
-the dK/dV passes once per chunk of at most 128 accumulator columns
-(:func:`.backward.column_chunks`), each launch recomputing S and dP^ in full.
+``ops.py`` sends every other call to the Triton passes. Head dims over 128 run as
+``MosaicConfig.backward_wide_launches`` says: ``"per_chunk"``, the dQ and the dK/dV passes
+once per chunk of at most 128 accumulator columns (:func:`.backward.column_chunks`), each
+launch recomputing S and dP^ in full; ``"per_gradient"``, one dQ launch, one dV launch and
+one dK launch, each over all its columns (:func:`.backward.key_pass_launches`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from pallas_kernels.fp8_attention.triton import delta as delta_kernels
 from pallas_kernels.fp8_attention.triton.quantize import QuantizedTensor
 
 
-def reason(q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=True) -> Optional[str]:
+def reason(
+    q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=True, launches="per_chunk"
+) -> Optional[str]:
     """None if the Mosaic GPU backward kernels run this call, else why not. Head dims over
     128 run only with ``wide_heads`` (``MosaicConfig.backward_wide_heads``, on by default)."""
     dqk, dv = q_shape[-1], v_shape[-1]
@@ -41,11 +45,11 @@ def reason(q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=True) -> Opt
             f"head dims ({dqk}, {dv}): the Mosaic backward takes multiples of 64 up to "
             f"{kernels.MAX_HEAD_DIM}"
         )
-    if len(kernels.column_chunks(dv)) > len(kernels.column_chunks(dqk)):
+    if launches == "per_chunk" and len(kernels.column_chunks(dv)) > len(kernels.column_chunks(dqk)):
         return f"head dims ({dqk}, {dv}): the Mosaic backward needs dv <= dqk above 128"
     if spec.tiles.ds_tile != (kernels.TILE, kernels.TILE):
         return f"dS scale tile {spec.tiles.ds_tile}: the Mosaic backward's is 64 x 64"
-    if not kernels.smem_fits(dqk, dv, kernel_dtype(dtype)):
+    if not kernels.smem_fits(dqk, dv, kernel_dtype(dtype), launches):
         return (
             f"head dims ({dqk}, {dv}) with {jnp.dtype(kernel_dtype(dtype)).name} gradients "
             "do not fit shared memory in one backward stage; use bfloat16 inputs"
@@ -69,6 +73,7 @@ class Operands(NamedTuple):
     kwargs: dict
     delta_key_tile: int = kernels.TILE  # keys per step of the matched-delta pass
     dq_in_key_pass: bool = False  # dQ by reduce-add from the key pass (no dQ pass)
+    wide_launches: str = "per_chunk"  # head dims over 128 (backward.key_pass_launches)
 
 
 def operands(
@@ -88,6 +93,7 @@ def operands(
     pingpong=False,
     quantize_warps=quantize_kernel.WARPS,
     dq_in_key_pass=False,
+    wide_launches="per_chunk",
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
@@ -112,7 +118,18 @@ def operands(
     k_poison = k_poison.reshape(b, hkv, sp // kernels.TILE, kernels.TILE)
     kv_aux = jnp.stack([inv_k, inv_v, k_poison], axis=3)
     return Operands(
-        q8, k8, v8, do8, kv_aux, q_poison, lse2, segments, kwargs, delta_key_tile, dq_in_key_pass
+        q8,
+        k8,
+        v8,
+        do8,
+        kv_aux,
+        q_poison,
+        lse2,
+        segments,
+        kwargs,
+        delta_key_tile,
+        dq_in_key_pass,
+        wide_launches,
     )
 
 
@@ -154,7 +171,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
     """(dQ [B, Tp, Hq, Dqk], dK [B, Sp, Hkv, Dqk], dV [B, Sp, Hkv, Dv], stats), padded;
     stats: the dS row statistics [B, Hq, 4, Tp] with ``with_stats``, else None. A pass
     left out of ``passes`` gives None (the benchmarks time each pass on its own). Head
-    dims over 128: one launch per column chunk, concatenated. With ``ops.dq_in_key_pass``
+    dims over 128: the launches of ``ops.wide_launches``, concatenated. With ``ops.dq_in_key_pass``
     the key pass forms dQ too (``passes`` naming "dkdv"), except with ``with_stats`` (the
     statistics come from the dQ pass) or where that key pass does not fit shared memory
     (:func:`.backward.dq_in_key_pass_fits`): there the dQ pass runs."""
@@ -170,7 +187,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
     dq = stats = dk = dv = None
     if "dq" in passes and not dq_from_keys:
         parts = []
-        for n, cols in enumerate(kernels.column_chunks(dqk)):
+        for n, cols in enumerate(kernels.query_pass_launches(dqk, ops.wide_launches)):
             stats_here = with_stats and n == 0  # every chunk forms the same dS
             part = _query_pass(
                 ops, rows, want="dq", out_dtype=q_dtype, with_stats=stats_here, dq_cols=cols
@@ -180,7 +197,8 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
         dq = _concat(parts)
     if "dkdv" in passes:
         dk_parts, dv_parts, dq_parts = [], [], []
-        for dk_cols, dv_cols in kernels.key_pass_launches(dqk, dv_dim):
+        wide = "per_chunk" if dq_from_keys else ops.wide_launches
+        for dk_cols, dv_cols in kernels.key_pass_launches(dqk, dv_dim, wide):
             parts = kernels.key_pass(
                 ops.q8.values,
                 ops.q8.values_t,
@@ -197,7 +215,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
                 kt8=ops.k8.values_t if dq_from_keys else None,
                 **ops.kwargs,
             )
-            dk_parts.append(parts[0])
+            dk_parts += [parts[0]] if parts[0] is not None else []
             dv_parts += [parts[1]] if parts[1] is not None else []
             dq_parts += [parts[2].astype(q_dtype)] if dq_from_keys else []
         dk, dv = _concat(dk_parts), _concat(dv_parts)

@@ -53,7 +53,13 @@ class MosaicConfig:
     memory by a TMA reduce-add; this drops the dQ pass and its recomputed S and dP^ dots,
     but the adds of the key blocks land in any order, so dQ is not bitwise reproducible
     run to run (the same numerics otherwise; the dS statistics of ``with_stats`` still run
-    the dQ pass)."""
+    the dQ pass).
+    ``backward_wide_launches``: how head dims over 128 split the dQ and dK/dV passes.
+    ``"per_chunk"``: one dQ and one dK/dV launch per 128 columns, each recomputing S and dP^
+    and forming dS. ``"per_gradient"``: one dQ launch over every column, one dV launch (S^T
+    and the dV dot only: no dP^T, no dS) and one dK launch, each adding its dot in 128-column
+    pieces (a fresh accumulator each, so the results are bitwise ``"per_chunk"``'s): the dS
+    math runs once per tile in each pass instead of once per chunk."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -65,6 +71,7 @@ class MosaicConfig:
     backward_wide_heads: bool = True
     quantize_warps: int = quantize_kernel.WARPS
     backward_dq: str = "pass"
+    backward_wide_launches: str = "per_gradient"
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):
@@ -74,6 +81,11 @@ class MosaicConfig:
             raise ValueError(f"quantize_warps must be 1, 2, 4, 8 or 16, got {self.quantize_warps}")
         if self.backward_dq not in ("pass", "key_pass"):
             raise ValueError(f"backward_dq must be 'pass' or 'key_pass', got {self.backward_dq!r}")
+        if self.backward_wide_launches not in ("per_chunk", "per_gradient"):
+            raise ValueError(
+                "backward_wide_launches must be 'per_chunk' or 'per_gradient', got "
+                f"{self.backward_wide_launches!r}"
+            )
         if self.delta_key_tile not in (64, 128):
             raise ValueError(f"delta_key_tile must be 64 or 128, got {self.delta_key_tile}")
 

@@ -89,7 +89,11 @@ def _mosaic_backward(q, v, spec, config: MosaicConfig) -> bool:
     if not config.mosaic_backward:
         return False
     wide = config.backward_wide_heads
-    return backward_ops.reason(q.shape, v.shape, q.dtype, spec, wide_heads=wide) is None
+    launches = config.backward_wide_launches
+    return (
+        backward_ops.reason(q.shape, v.shape, q.dtype, spec, wide_heads=wide, launches=launches)
+        is None
+    )
 
 
 def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, interpret):
@@ -109,6 +113,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         pingpong=config.backward_pingpong,
         quantize_warps=config.quantize_warps,
         dq_in_key_pass=config.backward_dq == "key_pass",
+        wide_launches=config.backward_wide_launches,
     )
 
 
@@ -230,7 +235,12 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret:
 def _backward_passes(q, k, v, o, lse, do, spec, config, interpret) -> dict:
     """The Mosaic backward's passes, each on its own inputs."""
     ops = _operands(q, k, v, lse, do, None, None, spec, config, interpret)
-    static = dict(kwargs=ops.kwargs, delta_key_tile=ops.delta_key_tile)
+    static = dict(
+        kwargs=ops.kwargs,
+        delta_key_tile=ops.delta_key_tile,
+        dq_in_key_pass=ops.dq_in_key_pass,
+        wide_launches=ops.wide_launches,
+    )
 
     def arrays_only(operands):  # a pass's arguments and results: arrays only
         return operands._replace(**dict.fromkeys(static))
