@@ -16,6 +16,11 @@
 #                                                       # (batch FB, default 4: 8 does not fit)
 #   bash benchmarks/h200_compile_speed.sh scan ARM      # small, 16 x 2048, scan on then off
 #   bash benchmarks/h200_compile_speed.sh memory small|569m  # estimate against measured peak
+#   bash benchmarks/h200_compile_speed.sh pairs T       # cudnn_bf16 then matched, unrolled, at
+#                                                       # 32k tokens per step (569m, then small at
+#                                                       # twice the tokens), peaks for the estimate
+#                                                       # (PRESETS="569m" for one of them;
+#                                                       # LAYOUT=" " lets --scan-layers auto pick)
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
@@ -125,6 +130,23 @@ memory)
   done
   python3 benchmarks/memory_calibration.py "${dirs[@]}" --out "$OUT" | tee "$OUT/memory-$ARM.md"
   ;;
+pairs)
+  # ARM here is the sequence length; both arms of both presets with the unrolled step (the
+  # check skipped, so the layout is the one named), then the estimate against their peaks
+  T=$ARM
+  dirs=()
+  for preset in ${PRESETS:-569m small}; do
+    TOKENS=32768
+    [ "$preset" = small ] && TOKENS=65536
+    for arm in cudnn_bf16 matched; do
+      name="$preset-$T-$arm-unrolled"
+      run "$name" --preset $preset --seq-len "$T" --batch-size $((TOKENS / T)) $QUIET \
+        --attention "$arm" --compile-cache off ${LAYOUT:---scan-layers off --skip-memory-check}
+      dirs+=("$R/$name")
+    done
+  done
+  python3 benchmarks/memory_calibration.py "${dirs[@]}" --out "$OUT" | tee "$OUT/pairs-$T.md"
+  ;;
 statepass)
   for pass in sequential pallas; do
     run "small-300-matched-$pass" --preset small --steps 300 --log-every 10 --eval-every 100 \
@@ -133,7 +155,7 @@ statepass)
   done
   ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan ARM | memory SIZE | long | statepass" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan ARM | memory SIZE | pairs T | long | statepass" >&2
   exit 2
   ;;
 esac

@@ -31,7 +31,12 @@
 The constants were fitted to XLA's own buffer assignment of the compiled step
 (`compiled.memory_analysis()`) for the tiny and small presets of every family on the CPU:
 within 7% for the small presets (T = 1024 and 2048), within 40% for the tiny ones, whose
-activations are a few MB. docs/training.md lists what each preset needs.
+activations are a few MB. On a GPU XLA fuses more and keeps less: the unrolled step's
+measured peak (`summary.json`'s `peak_device_bytes`, H200) held 0.66-0.69 of the CPU-fitted
+activations (`small` at 8 x 8192, `569m` at 8 x 4096 and 4 x 8192, both attention arms;
+benchmarks/memory_calibration.py), so a GPU estimate of an unrolled step takes
+GPU_UNROLLED_ACTIVATIONS of them. The scanned step keeps its CPU factors on a GPU (no
+peak measured there yet). docs/training.md lists what each preset needs.
 
 `check(cfg, build, mesh)` compares the estimate with the memory this process can still get
 (the GPU's free memory; on a CPU the host's available memory and any cgroup limit) and
@@ -60,6 +65,9 @@ LOGIT_BYTES = 12.0
 # activations; with --remat dots 0.74x (--remat full keeps less still: 0.74 bounds it).
 SCAN_ACTIVATIONS = {"none": 1.47, "dots": 0.74, "full": 0.74}
 SCAN_STATE_COPIES = 2
+# The unrolled step's activations on a GPU against the CPU fit: measured 0.66-0.69 on the
+# H200 (2026-12-02, docs/training.md), taken at the top with a margin.
+GPU_UNROLLED_ACTIVATIONS = 0.70
 
 
 class InsufficientMemory(ValueError):
@@ -155,6 +163,8 @@ def estimate(cfg, build: Callable, n_devices: int = 1, *, gpu: bool = False) -> 
         if model_config.remat == "none":
             ratio = SCAN_ACTIVATIONS["dots"] / SCAN_ACTIVATIONS["none"]
             hint = f", or add --remat dots (about {ratio:.0%} of the activations)"
+    elif gpu:
+        activations *= GPU_UNROLLED_ACTIVATIONS
     scannable = getattr(model_config, "layer_repeats", 1) > 1
     if gpu:
         return Estimate(state, activations / n_devices, remat_hint=hint, scannable=scannable)
