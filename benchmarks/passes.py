@@ -39,6 +39,12 @@ def time_fn(fn, args, iters, reps):
     element of every output, so XLA cannot drop a kernel launch whose part of an output
     (a column chunk joined to others) nothing reads (it did: the second 128-column launch
     of a head dim 256 pass, 2026-12-02)."""
+    loop, leaves = timing_loop(fn, args, iters)
+    return run_timed(loop, leaves, iters, reps)[0]
+
+
+def timing_loop(fn, args, iters):
+    """(loop, leaves): ``loop(leaves)`` calls fn on args ``iters`` times (:func:`time_fn`)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     first = next(
         i
@@ -61,7 +67,7 @@ def time_fn(fn, args, iters, reps):
 
         return jax.lax.fori_loop(0, iters, body, (jnp.zeros((), F32), leaves))[0]
 
-    return run_timed(loop, leaves, iters, reps)[0]
+    return loop, leaves
 
 
 def passes(case, precision, mode, implementation="triton"):

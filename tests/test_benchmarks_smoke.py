@@ -78,6 +78,20 @@ def test_f32_reference_in_head_slices_equals_the_whole(causal):
         assert jnp.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_timing_loop_keeps_every_column_chunk_of_an_output():
+    """A pass whose output joins two column chunks: the timed loop still computes the
+    second (XLA drops what nothing reads; a loop that read only the first element let it
+    drop the second 128-column launch of a head dim 256 pass)."""
+
+    def two_chunks(x):  # the second chunk alone takes a cosine
+        return jnp.concatenate([x * 2.0, jnp.cos(x)], axis=-1)
+
+    x = jnp.ones((2, 8, 4), jnp.float32)
+    loop, leaves = passes.timing_loop(two_chunks, (x,), 2)
+    hlo = jax.jit(loop).lower(leaves).compile().as_text()
+    assert "cosine" in hlo
+
+
 def test_passes_script_smoke(tmp_path):
     passes.main(
         [
