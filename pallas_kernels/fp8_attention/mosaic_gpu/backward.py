@@ -266,20 +266,23 @@ def _store_pieces(accs, bufs, dst, out_dtype):
         plgpu.copy_smem_to_gmem(buf, dst(lo, width))
 
 
+def _staging_widths(cols: int) -> list[int]:
+    """Columns of each staging tile :func:`_store_pieces` writes ``cols`` columns through:
+    one per piece, or a single one when every piece has its width."""
+    widths = [w for _, w in column_pieces(cols)]
+    return widths[:1] if len(set(widths)) == 1 else widths
+
+
 def _staging(cols: int, out_dtype, lead=(WARPGROUPS,)):
     """The shared-memory tiles :func:`_store_pieces` writes through for ``cols`` columns."""
-    widths = [w for _, w in column_pieces(cols)]
-    if len(set(widths)) == 1:
-        widths = widths[:1]
     return tuple(
         plgpu.SMEM(lead + (TILE, w), out_dtype, transforms=out_transforms(out_dtype))
-        for w in widths
+        for w in _staging_widths(cols)
     )
 
 
 def _staging_bytes(cols: int, itemsize: int) -> int:
-    widths = [w for _, w in column_pieces(cols)]
-    return TILE * (widths[0] if len(set(widths)) == 1 else cols) * itemsize
+    return TILE * sum(_staging_widths(cols)) * itemsize
 
 
 def _transposed_operand(ds8t, ds_t_smem, to_operand):
@@ -397,6 +400,7 @@ def query_pass(
     if want_dq and not 0 < cq <= MAX_HEAD_DIM:
         raise ValueError(f"dq_cols: 1-{MAX_HEAD_DIM} columns, got {cq}")
     cq = cq if want_dq else 0
+    n_dq = len(column_pieces(cq))  # dQ's accumulator pieces, first in the loop's carry
     stages = fitting(stages, lambda n: query_pass_smem(n, dqk, dv, cq, key_tile, out_dtype))
     group = hq // hkv
     n_k = sp // key_tile
@@ -488,7 +492,6 @@ def query_pass(
                 plgpu.barrier_wait(kt_bars.at[slot])
                 turns.wait()
                 a_smem = a_smem2.at[wg] if interpret else None
-                n_dq = len(carry) - 4 * with_stats  # dQ's column pieces
 
                 def descale(shape):
                     return (sm_scale / _scale(amax, shape)) * _rows(inv_k, shape)
@@ -520,7 +523,6 @@ def query_pass(
             turns.finish()
 
             if want_dq:
-                n_dq = len(carry) - 4 * with_stats
                 for n, stat in enumerate(carry[n_dq:]):
                     stats_smem2.at[wg, n][...] = stat
                 _store_pieces(  # dQ [B, Tp, Hq, Dqk]

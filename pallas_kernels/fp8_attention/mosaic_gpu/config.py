@@ -12,6 +12,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
+from pallas_kernels.fp8_attention.mosaic_gpu import backward as bwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
 from pallas_kernels.fp8_attention.triton import config as triton_config
@@ -81,10 +82,10 @@ class MosaicConfig:
             raise ValueError(f"quantize_warps must be 1, 2, 4, 8 or 16, got {self.quantize_warps}")
         if self.backward_dq not in ("pass", "key_pass"):
             raise ValueError(f"backward_dq must be 'pass' or 'key_pass', got {self.backward_dq!r}")
-        if self.backward_wide_launches not in ("per_chunk", "per_gradient"):
+        if self.backward_wide_launches not in bwd_kernel.WIDE_LAUNCHES:
+            choices = " or ".join(map(repr, bwd_kernel.WIDE_LAUNCHES))
             raise ValueError(
-                "backward_wide_launches must be 'per_chunk' or 'per_gradient', got "
-                f"{self.backward_wide_launches!r}"
+                f"backward_wide_launches must be {choices}, got {self.backward_wide_launches!r}"
             )
         if self.delta_key_tile not in (64, 128):
             raise ValueError(f"delta_key_tile must be 64 or 128, got {self.delta_key_tile}")
