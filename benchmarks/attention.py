@@ -86,6 +86,11 @@ def arms(case: Case, implementation="pallas"):
             backend="mosaic",
             config=MosaicConfig(backward_wide_launches="per_chunk"),
         )
+        # causal: the query tiles in the grid's order (the default until 2026-12-02: the
+        # tiles that see the most keys first)
+        out[f"mosaic_fp8_{delta}_grid_order"] = ours(
+            delta, "fp8", backend="mosaic", config=MosaicConfig(causal_order="grid")
+        )
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)

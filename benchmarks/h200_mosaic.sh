@@ -27,6 +27,11 @@
 #   bash benchmarks/h200_mosaic.sh gaps    # every delta mode at D=256 and 192/128 with GQA,
 #                                          # segments and a ragged length; fwd+bwd causal with
 #                                          # stale beside matched and cuDNN BF16
+#   bash benchmarks/h200_mosaic.sh order   # causal launch order: the forward and the query
+#                                          # passes in the grid's order and longest first
+#                                          # (bitwise check + times) at the main, d256 and
+#                                          # the training presets' attention shapes; then
+#                                          # fwd+bwd of the causal main and d256 shapes
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
 #                                          # (memory throughput, registers, stalls, SASS hotspots;
 #                                          # QWARPS=8: at 8 warps per program)
@@ -161,6 +166,20 @@ gaps)
   echo "attention: exit $?"
   grep "^| [a-z0-9_]* | [a-z]" "$W/attention.log"
   ;;
+order)
+  for shape in main d256 h569m_t8192 small_t8192; do
+    timeout 140 python3 benchmarks/mosaic_backward.py --shape $shape --causal 1 --stages 2 \
+      --causal-orders grid,longest_first --iters 10 --reps 3 --out "$W" > "$W/$shape.log" 2>&1
+    echo "$shape: exit $?"
+    mv "$W/mosaic_backward.json" "$W/$shape.json" 2> /dev/null
+    grep "^|" "$W/$shape.log"
+  done
+  timeout 200 python3 benchmarks/attention.py --shapes main,d256 --causal 1 --budget 170 \
+    --iters 5 --reps 3 --arms mosaic_fp8_matched,mosaic_fp8_matched_grid_order,cudnn_bf16 \
+    --tag _causal_order --out "$W" > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  grep "^| [a-z0-9_]* [a-z]* | [a-z]" "$W/attention.log"
+  ;;
 qprofile)
   # launch 1 of each pre-pass is the bitwise check's; profile a timed one of each kind
   timeout 190 ncu --clock-control none -k "regex:quantize" --launch-skip 7 \
@@ -178,7 +197,7 @@ qprofile)
   gzip -f "$W/quantize.sass.csv"; rm -f "$W/quantize.ncu-rep"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|dqkeys|dqwide|profile|gaps|qprofile" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|dqkeys|dqwide|profile|gaps|order|qprofile" >&2
   exit 2
   ;;
 esac

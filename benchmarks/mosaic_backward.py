@@ -5,12 +5,14 @@
 For each variant (``--stages``: the backward's shared-memory stages; ``--delta-key-tiles``:
 keys per step of the matched-delta pass; ``--pingpong``: the consumer warpgroups take turns
 on the tensor cores; ``--wide-launches``: how head dims over 128 split the dQ and dK/dV
-passes) and causality: the matched-delta pass, the dQ pass and the dK/dV pass of a
+passes; ``--causal-orders``: the launch order of causal query tiles, which also times the
+forward kernel) and causality: the matched-delta pass, the dQ pass and the dK/dV pass of a
 benchmark shape (``--shape``, default main), each timed on its own like
 benchmarks/passes.py, with their TFLOP/s (2, 3 and 4 matmuls of the shape's size, whatever
 the launches recompute), and each result's largest difference from the first variant's
-(``max_rel_diff``: 0 where the variant must be bitwise equal, as ``--pingpong`` and
-``--wide-launches`` are). A delta key tile other than the first times the delta pass only.
+(``max_rel_diff``: 0 where the variant must be bitwise equal, as ``--pingpong``,
+``--wide-launches`` and ``--causal-orders`` are). A delta key tile other than the first
+times the delta pass only.
 Writes mosaic_backward.json.
 """
 
@@ -52,8 +54,13 @@ def main(argv=None):
     )
     p.add_argument(
         "--wide-launches",
-        default="per_chunk",
+        default=MosaicConfig().backward_wide_launches,
         help="comma-separated MosaicConfig.backward_wide_launches (head dims over 128)",
+    )
+    p.add_argument(
+        "--causal-orders",
+        default=MosaicConfig().causal_order,
+        help="comma-separated MosaicConfig.causal_order (the first also times the forward)",
     )
     p.add_argument("--shape", default="main", choices=sorted(BENCH_SHAPES))
     p.add_argument("--causal", default="0,1")
@@ -80,19 +87,25 @@ def main(argv=None):
         turns = [bool(int(x)) for x in args.pingpong.split(",")]
         wides = args.wide_launches.split(",")
         stages0 = int(args.stages.split(",")[0])
-        w0 = wides[0]
-        variants = [(int(s), tiles[0], turns[0], w0, PASSES) for s in args.stages.split(",")]
-        variants += [(stages0, tile, turns[0], w0, PASSES[:1]) for tile in tiles[1:]]
-        variants += [(stages0, tiles[0], pp, w0, PASSES) for pp in turns[1:]]
-        variants += [(stages0, tiles[0], turns[0], w, PASSES[1:]) for w in wides[1:]]
+        orders = args.causal_orders.split(",")
+        w0, o0 = wides[0], orders[0]
+        # the forward kernel too where the launch order varies
+        all_passes = PASSES if len(orders) == 1 else ("forward_kernel",) + PASSES
+        same = (stages0, tiles[0], turns[0], w0, o0)
+        variants = [(int(s),) + same[1:] + (all_passes,) for s in args.stages.split(",")]
+        variants += [(stages0, tile) + same[2:] + (PASSES[:1],) for tile in tiles[1:]]
+        variants += [same[:2] + (pp,) + same[3:] + (PASSES,) for pp in turns[1:]]
+        variants += [same[:3] + (w,) + same[4:] + (PASSES[1:],) for w in wides[1:]]
+        variants += [same[:4] + (o, all_passes[:3]) for o in orders[1:]]
         first = {}  # pass name -> the first variant's result
-        for stages, delta_key_tile, pingpong, wide, names in variants:
+        for stages, delta_key_tile, pingpong, wide, order, names in variants:
             config = MosaicConfig(
                 backward_stages=stages,
                 fused_quantize=not args.smoke,
                 delta_key_tile=delta_key_tile,
                 backward_pingpong=pingpong,
                 backward_wide_launches=wide,
+                causal_order=order,
             )
             variant = dict(
                 causal=causal,
@@ -100,6 +113,7 @@ def main(argv=None):
                 delta_key_tile=delta_key_tile,
                 pingpong=pingpong,
                 wide_launches=wide,
+                causal_order=order,
             )
             try:
                 plan = ops.passes(q, k, v, do, spec=spec, config=config, interpret=args.smoke)
@@ -124,13 +138,14 @@ def main(argv=None):
         info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows)
         json.dump(dict(info, seconds=time.time() - start), f, indent=1)
     print(
-        f"{args.shape}: | causal | stages | delta key tile | pingpong | wide launches | pass "
+        f"{args.shape}: | causal | stages | delta key tile | pingpong | wide launches "
+        "| causal order | pass "
         "| ms | TFLOP/s | vs first |"
     )
     for r in rows:
         print(
             f"| {r['causal']} | {r['stages']} | {r['delta_key_tile']} | {r['pingpong']} | "
-            f"{r['wide_launches']} | "
+            f"{r['wide_launches']} | {r['causal_order']} | "
             f"{r.get('name', '-')} | {r.get('ms', float('nan')):.3f} | "
             f"{r.get('tflops', float('nan')):.0f} | {r.get('max_rel_diff', float('nan')):.1e} | "
             f"{r.get('error', '')[:60]}"

@@ -32,7 +32,9 @@ def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
     assert "backward_wide_heads=False" in narrow_only
     reason = backward_ops.reason
     assert reason(wide, wide, jnp.bfloat16, _spec(d=256)) is None
-    assert "use bfloat16" in reason(wide, wide, jnp.float32, _spec(d=256))
+    # f32 gradients at D=256 fit one launch per gradient, not one per 128-column chunk
+    assert reason(wide, wide, jnp.float32, _spec(d=256)) is None
+    assert "use bfloat16" in reason(wide, wide, jnp.float32, _spec(d=256), launches="per_chunk")
     mla_q, mla_v = (1, 256, 2, 192), (1, 256, 2, 128)
     # 192/128's default dS tile is the Mosaic backward's 64 x 64; 64 x 32 goes to Triton
     assert default_tiles(192, 128).ds_tile == (64, 64)
@@ -42,7 +44,7 @@ def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
     odd = (1, 256, 2, 96)
     assert "multiples of 64" in reason(odd, odd, jnp.bfloat16, _spec(d=96))
     narrow_q, wide_v = (1, 256, 2, 64), (1, 256, 2, 192)
-    assert "dv <= dqk" in reason(narrow_q, wide_v, jnp.bfloat16, _spec(d=64))
+    assert "dv <= dqk" in reason(narrow_q, wide_v, jnp.bfloat16, _spec(d=64), launches="per_chunk")
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     sds = jax.ShapeDtypeStruct  # what correctness records name as the backward's kernels
@@ -70,6 +72,8 @@ LOWER_CASES = [  # (b, t, s, hq, hkv, d or (dqk, dv), causal, segments, delta, d
     # head dims over 128: a launch per 128-column chunk of dQ, dK and dV
     (1, 256, 256, 2, 1, 256, True, False, "matched", 128),
     (2, 300, 200, 4, 2, (192, 128), True, True, "matched", 128),
+    # 16 query heads per kv head: the key pass loops over the heads (backward.key_pass)
+    (1, 256, 256, 16, 1, 64, True, False, "matched", 128),
 ]
 
 
@@ -97,6 +101,26 @@ PER_GRADIENT_LOWER_CASES = [  # as LOWER_CASES: head dims over 128
     (2, 300, 200, 4, 2, (192, 128), True, True, "matched", 128),
     (1, 256, 256, 2, 2, (256, 128), False, False, "stale", 128),
 ]
+
+
+@NEEDS_011
+def test_longest_first_order_lowers_for_cuda():
+    """``causal_order="longest_first"``: the forward and the backward passes of a causal
+    GQA call with segments and ragged lengths."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    case = (2, 300, 200, 4, 2, 128, True, True, "matched", 128)
+    _export_backward(case, causal_order="longest_first")
+    cfg = config.MosaicConfig(fused_quantize=False, causal_order="longest_first")
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((2, 300, 4, 128), jnp.bfloat16), sds((2, 200, 2, 128), jnp.bfloat16)
+    ids = sds((2, 300), jnp.int32), sds((2, 200), jnp.int32)
+
+    def fn(q, k, v, q_ids, kv_ids):
+        return ops.forward(q, k, v, q_ids, kv_ids, spec=_spec(True, d=128), config=cfg)
+
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"])(q, kv, kv, *ids)
+    assert "dm_fp8_attention_forward_mosaic" in exported.mlir_module()
 
 
 @NEEDS_011
@@ -161,9 +185,7 @@ def test_dq_in_key_pass_equals_the_dq_pass(causal, hq, hkv):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, d = 1, 192, 64
-    ks = jax.random.split(jax.random.PRNGKey(11), 4)
-    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
-    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    q, k, v, do = _gqa_inputs(11, b, t, hq, hkv, d)
     spec = _spec(causal, "matched", d)
     results = []
     for where in ("pass", "key_pass"):
@@ -182,6 +204,14 @@ def test_backward_dq_is_checked():
         config.MosaicConfig(backward_dq="atomic")
     assert backward.dq_in_key_pass_fits(128, 128, jnp.bfloat16)
     assert not backward.dq_in_key_pass_fits(128, 128, jnp.float32)  # the dQ pass runs there
+
+
+def _gqa_inputs(seed, b, t, hq, hkv, d):
+    """(q, k, v, do), random normal: q and do [b, t, hq, d], k and v [b, t, hkv, d]."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
+    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    return q, k, v, do
 
 
 def _export_backward(case, with_stats=True, **config_fields):
@@ -286,9 +316,7 @@ def test_pingpong_is_bitwise_the_same():
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, hq, hkv, d = 1, 320, 2, 1, 64
-    ks = jax.random.split(jax.random.PRNGKey(5), 4)
-    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
-    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    q, k, v, do = _gqa_inputs(5, b, t, hq, hkv, d)
     spec = _spec(True, "matched", d)
     results = []
     for pingpong in (False, True):
@@ -303,6 +331,82 @@ def test_pingpong_is_bitwise_the_same():
     assert bool(jnp.all(jnp.isfinite(plain.dq))) and float(jnp.max(jnp.abs(plain.dk))) > 0
     for name in plain._fields:
         assert bool(jnp.all(getattr(plain, name) == getattr(turns, name))), name
+
+
+@NEEDS_011
+def test_longest_first_order_is_bitwise_the_same():
+    """The causal query tiles launched longest first (``longest_first`` in the forward,
+    matched-delta and dQ kernels) against the grid's order: output, lse, delta and dQ
+    bitwise equal. Causal with a ragged length (three query CTAs, the last one padded).
+    Without GQA: with GQA jax 0.11.2's GPU interpreter waits forever on the reversed order,
+    so ``implementation="mosaic_interpret"`` keeps the grid's order (ops._longest_first);
+    the H200 checked GQA shapes bit for bit (docs/mosaic_gpu.md)."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t, h, d = 1, 320, 2, 64
+    q, k, v, do = _gqa_inputs(7, b, t, h, h, d)
+    spec = _spec(True, "matched", d)
+    q8, k8, v8 = ops.quantize_operands(q, k, v, config.MosaicConfig(fused_quantize=False), True)
+    mask = fwd.ForwardMask(t=t, s=t, causal=True, segments=False)
+    results = []
+    for longest in (False, True):
+        out, lse = fwd.forward(
+            *ops._kernel_operands(q8, k8, v8),
+            mask=mask,
+            sm_scale=d**-0.5,
+            stages=2,
+            out_dtype=jnp.float32,
+            interpret=True,
+            longest_first=longest,
+        )
+        operands = backward_ops.operands(
+            q, k, v, lse[:, :, :t], do, None, None, spec=spec, stages=2,
+            fused_quantize=False, interpret=True, longest_first=longest,
+        )  # fmt: skip
+        delta = backward_ops.delta(operands, do, out[:, :t], "matched")
+        dq = backward_ops.gradients(operands, delta, (jnp.float32,) * 2, passes=("dq",))[0]
+        results.append((out, lse, delta, dq))
+    grid, longest = results
+    assert bool(jnp.all(jnp.isfinite(grid[0]))) and float(jnp.max(jnp.abs(grid[3]))) > 0
+    for n, (a, r) in enumerate(zip(longest, grid)):
+        assert bool(jnp.all(a == r)), n
+
+
+@NEEDS_011
+def test_gqa_key_pass_heads_written_out_equal_the_head_loop(monkeypatch):
+    """The key pass with each query head's loops written out one after the other (the
+    default up to backward.MAX_UNROLLED_HEADS heads per kv head) and with a loop over the
+    heads (larger groups): dK and dV bitwise equal. Causal, ragged, GQA 2/1."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t, hq, hkv, d = 1, 192, 2, 1, 64
+    assert hq // hkv <= backward.MAX_UNROLLED_HEADS  # the default run writes them out
+    q, k, v, do = _gqa_inputs(13, b, t, hq, hkv, d)
+    spec = _spec(True, "matched", d)
+    cfg = config.MosaicConfig(fused_quantize=False)
+    out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+    ops_ = backward_ops.operands(
+        q, k, v, lse, do, None, None, spec=spec, stages=2, fused_quantize=False, interpret=True
+    )
+    delta = backward_ops.delta(ops_, do, out, "matched")
+    dtypes = (jnp.float32, jnp.float32)
+    _, dk, dv, _ = backward_ops.gradients(ops_, delta, dtypes, passes=("dkdv",))
+    looped, real = [], backward.key_pass
+
+    def key_pass(*args, **kwargs):
+        looped.append(True)
+        return real(*args, unrolled_heads=0, **kwargs)
+
+    monkeypatch.setattr(backward, "key_pass", key_pass)
+    _, dk_loop, dv_loop, _ = backward_ops.gradients(ops_, delta, dtypes, passes=("dkdv",))
+    assert looped and float(jnp.max(jnp.abs(dk))) > 0
+    assert bool(jnp.all(dk == dk_loop)) and bool(jnp.all(dv == dv_loop))
+
+
+def test_causal_order_is_checked():
+    with pytest.raises(ValueError, match="causal_order"):
+        config.MosaicConfig(causal_order="reversed")
 
 
 @NEEDS_011
@@ -346,9 +450,7 @@ def test_matched_delta_in_128_key_steps_equals_64():
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, hq, hkv, d = 1, 512, 2, 1, 64
-    ks = jax.random.split(jax.random.PRNGKey(3), 4)
-    q, do = (jax.random.normal(key, (b, t, hq, d)) for key in ks[:2])
-    k, v = (jax.random.normal(key, (b, t, hkv, d)) for key in ks[2:])
+    q, k, v, do = _gqa_inputs(3, b, t, hq, hkv, d)
     scores = jnp.einsum("bthd,bshd->bhts", q, jnp.repeat(k, hq // hkv, axis=2)) * d**-0.5
     visible = jnp.arange(t)[:, None] >= jnp.arange(t)[None]
     lse = jax.nn.logsumexp(jnp.where(visible, scores, -jnp.inf), axis=-1)
@@ -385,9 +487,7 @@ def _causal_gqa_backward(seed, t, d, wide_launches):
     `matched`, GQA 2/1, head dim ``d``, random normal inputs."""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
-    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
-    q, do = (jax.random.normal(key, (1, t, 2, d)) for key in ks[:2])
-    k, v = (jax.random.normal(key, (1, t, 1, d)) for key in ks[2:])
+    q, k, v, do = _gqa_inputs(seed, 1, t, 2, 1, d)
     spec = _spec(True, "matched", d)
     cfg = config.MosaicConfig(fused_quantize=False, backward_wide_launches=wide_launches)
     out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
@@ -409,7 +509,10 @@ def test_column_chunks_equal_one_launch(monkeypatch):
     assert backward.column_chunks(256) == [(0, 128), (128, 128)]
     assert backward.column_chunks(192) == [(0, 128), (128, 64)]
     assert backward.column_chunks(64) == [(0, 64)]
-    assert backward.key_pass_launches(192, 128) == [((0, 128), (0, 128)), ((128, 64), (0, 0))]
+    assert backward.key_pass_launches(192, 128, "per_chunk") == [
+        ((0, 128), (0, 128)),
+        ((128, 64), (0, 0)),
+    ]
     assert backward.key_pass_launches(192, 128, "per_gradient") == [
         ((0, 0), (0, 128)),
         ((0, 192), (0, 0)),

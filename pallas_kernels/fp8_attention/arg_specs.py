@@ -154,4 +154,8 @@ BENCH_SHAPES = {
     "gqa32_8": Case("gqa32_8", 2, 4096, 4096, 32, 8, 128, 128),
     "t8192": Case("t8192", 2, 8192, 8192, 16, 16, 128, 128),
     "t16384": Case("t16384", 1, 16384, 16384, 16, 16, 128, 128),
+    # one attention layer of the training presets' steps at T = 8192 (docs/training.md):
+    # few heads, so a causal launch has few CTAs per SM and its last wave matters
+    "small_t8192": Case("small_t8192", 8, 8192, 8192, 4, 2, 128, 128),
+    "h569m_t8192": Case("h569m_t8192", 4, 8192, 8192, 4, 2, 256, 256),
 }

@@ -51,6 +51,7 @@ from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
     fitting,
     fp8_transforms,
     out_transforms,
+    query_tile,
     warp_specialized_call,
 )
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import BLOCK
@@ -66,6 +67,10 @@ MAX_HEAD_DIM = 256
 # both (with a fresh dot, 192 registers per thread); wider gradients form their dots in
 # pieces (:func:`column_pieces`), in one launch each or one launch per chunk
 MAX_COLUMNS = 128
+# GQA key pass: query heads per kv head whose loops are written out one after the other
+# (a loop over the heads around them spilled 784-924 bytes on the H200 and ran 1.6-1.8x
+# slower at 2 heads per kv head; docs/mosaic_gpu.md)
+MAX_UNROLLED_HEADS = 8
 REDUCTION_SCRATCH = 128  # f32 per warpgroup for the cross-warp max of a dS tile
 ROWS = 5  # per-query rows of q_rows: lse2, delta, inv_q, inv_do, poison
 
@@ -363,6 +368,7 @@ def query_pass(
     key_tile: int = TILE,
     pingpong: bool = False,
     dq_cols=None,
+    longest_first: bool = False,
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -380,6 +386,8 @@ def query_pass(
       dq_cols: (first, count): the columns of dQ this launch forms (default all, at most
         MAX_HEAD_DIM, in pieces of MAX_COLUMNS: :func:`_accumulate`); S and dP^ always
         contract the whole head dims.
+      longest_first: causal only: the query tiles that see the most keys launch first
+        (:func:`.forward.query_tile`).
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, count] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -423,7 +431,8 @@ def query_pass(
         k_smem, v_smem, kt_smem, kvinv_smem, kseg_smem = smem[8:]
         q_bars, k_bars, v_bars, kt_bars, aux_bars, seg_bars, free, schedule = bars
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-        q_tile, wg = lax.axis_index("q_seq"), lax.axis_index("wg")
+        q_tile = query_tile(tp // CTA_TOKENS, mask.causal and longest_first)
+        wg = lax.axis_index("wg")
         turns = _Schedule(schedule, wg, per_step=2 if want_dq else 1)
         kv_head = lax.div(head, jnp.array(group, head.dtype))
         if mask.causal:
@@ -634,6 +643,7 @@ def key_pass(
     dk_cols=None,
     dv_cols=None,
     kt8=None,
+    unrolled_heads: int = MAX_UNROLLED_HEADS,
 ):
     """dK and dV, summed over each kv head's query heads; with ``kt8`` also dQ's columns
     ``dk_cols``, added into an f32 dQ tile by tile (:func:`_reduce_dq`).
@@ -657,6 +667,10 @@ def key_pass(
         pass' dot, with dS^ read back transposed (:func:`_transposed_operand`) and each
         tile added to global memory by a TMA reduce-add. Not deterministic: the key
         blocks' adds land in any order.
+      unrolled_heads: up to this many query heads per kv head (GQA), each head's loops
+        over query tiles follow one another in the kernel's code; more run inside a loop
+        over the heads, which carries the dK and dV accumulators around the inner loops and
+        makes ptxas spill (bitwise the same results; docs/mosaic_gpu.md, "The GQA key pass").
     Returns:
       dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
       layout), None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
@@ -814,7 +828,13 @@ def key_pass(
 
             turns.start()
             init = (_zero_pieces(ck) if want_dk else None, _zero_pieces(cv) if want_dv else None)
-            dk, dv_acc = lax.fori_loop(0, group, head_steps, init)
+            if group <= unrolled_heads:  # one after the other: no loop around the loops
+                carry = init
+                for g in range(group):
+                    carry = head_steps(g, carry)
+                dk, dv_acc = carry
+            else:
+                dk, dv_acc = lax.fori_loop(0, group, head_steps, init)
             turns.finish()
             if want_dq:
                 # the output tiles reuse the dQ staging of both warpgroups (one's dV tile
@@ -947,7 +967,7 @@ WIDE_LAUNCHES = ("per_chunk", "per_gradient")
 
 
 def key_pass_launches(
-    dqk: int, dv: int, wide: str = "per_chunk"
+    dqk: int, dv: int, wide: str = "per_gradient"
 ) -> list[tuple[tuple[int, int], tuple[int, int]]]:
     """(dk_cols, dv_cols) of each key-pass launch. Head dims up to MAX_COLUMNS: one launch
     of both. Wider, ``wide="per_chunk"``: the n-th dK chunk with the n-th dV chunk, or with
@@ -966,7 +986,7 @@ def key_pass_launches(
     return list(zip(dk_chunks, dv_chunks + [(0, 0)] * (len(dk_chunks) - len(dv_chunks))))
 
 
-def query_pass_launches(dqk: int, wide: str = "per_chunk") -> list[tuple[int, int]]:
+def query_pass_launches(dqk: int, wide: str = "per_gradient") -> list[tuple[int, int]]:
     """dq_cols of each dQ-pass launch: all columns in one (``"per_gradient"``, in
     MAX_COLUMNS pieces), or one launch per :func:`column_chunks` chunk."""
     return [(0, dqk)] if wide == "per_gradient" else column_chunks(dqk)
@@ -994,7 +1014,7 @@ def dq_in_key_pass_fits(dqk: int, dv: int, out_dtype) -> bool:
     (not with f32 gradients at head dims 128 and 192/128, nor at 256)."""
     return all(
         key_pass_smem(1, dqk, dv, ck, cv, out_dtype, with_dq=True) <= SMEM_BYTES
-        for (_, ck), (_, cv) in key_pass_launches(dqk, dv)
+        for (_, ck), (_, cv) in key_pass_launches(dqk, dv, "per_chunk")
     )
 
 
@@ -1009,7 +1029,7 @@ def query_pass_smem(stages: int, dqk: int, dv: int, cq: int, key_tile: int, out_
     return WARPGROUPS * per_wg + stages * per_stage + 4096
 
 
-def smem_fits(dqk: int, dv: int, out_dtype, wide: str = "per_chunk") -> bool:
+def smem_fits(dqk: int, dv: int, out_dtype, wide: str = "per_gradient") -> bool:
     """Whether every pass fits shared memory with one stage at least (each pass runs the
     most stages up to the config's that fit)."""
     launches = key_pass_launches(dqk, dv, wide)

@@ -30,7 +30,7 @@ from pallas_kernels.fp8_attention.triton.quantize import QuantizedTensor
 
 
 def reason(
-    q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=True, launches="per_chunk"
+    q_shape, v_shape, dtype, spec: AttentionSpec, wide_heads=True, launches="per_gradient"
 ) -> Optional[str]:
     """None if the Mosaic GPU backward kernels run this call, else why not. Head dims over
     128 run only with ``wide_heads`` (``MosaicConfig.backward_wide_heads``, on by default)."""
@@ -73,7 +73,10 @@ class Operands(NamedTuple):
     kwargs: dict
     delta_key_tile: int = kernels.TILE  # keys per step of the matched-delta pass
     dq_in_key_pass: bool = False  # dQ by reduce-add from the key pass (no dQ pass)
-    wide_launches: str = "per_chunk"  # head dims over 128 (backward.key_pass_launches)
+    wide_launches: str = "per_gradient"  # head dims over 128 (backward.key_pass_launches)
+    # causal query passes: the query tiles that see the most keys launch first (the key
+    # pass's grid order already starts with the key blocks that see the most queries)
+    longest_first: bool = False
 
 
 def operands(
@@ -93,7 +96,8 @@ def operands(
     pingpong=False,
     quantize_warps=quantize_kernel.WARPS,
     dq_in_key_pass=False,
-    wide_launches="per_chunk",
+    wide_launches="per_gradient",
+    longest_first=False,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
@@ -130,6 +134,7 @@ def operands(
         delta_key_tile,
         dq_in_key_pass,
         wide_launches,
+        longest_first,
     )
 
 
@@ -149,7 +154,17 @@ def _query_pass(ops: Operands, rows, **kwargs):
     kt = ops.k8.values_t if kwargs["want"] == "dq" else None
     q8, do8, k8, v8 = ops.q8.values, ops.do8.values, ops.k8.values, ops.v8.values
     return kernels.query_pass(
-        q8, do8, rows, k8, v8, ops.kv_aux, kt, *ops.segments, **kwargs, **ops.kwargs
+        q8,
+        do8,
+        rows,
+        k8,
+        v8,
+        ops.kv_aux,
+        kt,
+        *ops.segments,
+        longest_first=ops.longest_first,
+        **kwargs,
+        **ops.kwargs,
     )
 
 

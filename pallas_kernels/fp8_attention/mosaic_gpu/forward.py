@@ -88,6 +88,15 @@ def warp_specialized_call(body, out_type, grid, grid_names, interpret: bool):
     )
 
 
+def query_tile(n_tiles: int, longest_first: bool):
+    """This CTA's query tile along the grid's "q_seq" axis. In a causal pass query tile i
+    sees i + 1 key tiles; ``longest_first`` launches the last tile first, so the long CTAs
+    start early and the short ones fill the end of the launch (FlashAttention-3's causal
+    order). Only the launch order changes: each tile's work and results are the same."""
+    i = lax.axis_index("q_seq")
+    return n_tiles - 1 - i if longest_first else i
+
+
 def smem_bytes(stages: int, dqk: int, dv: int, out_dtype, out_cols=None) -> int:
     """Shared memory of one CTA: Q and O tiles per consumer warpgroup (O ``out_cols`` wide,
     default ``dv``), K / V^T stages."""
@@ -133,6 +142,7 @@ def forward(
     out_dtype,
     interpret: bool = False,
     out_cols=None,
+    longest_first: bool = False,
 ):
     """Run the forward kernel on quantized, padded operands.
 
@@ -145,6 +155,8 @@ def forward(
       q_seg [B, Tp], kv_seg [B, Sp]: int32 segment ids (only when ``mask.segments``).
       out_cols: O columns per shared-memory store (a divisor of Dv of 128-byte rows);
         default :func:`stages_and_out_cols`'s choice.
+      longest_first: causal only: the query tiles that see the most keys launch first
+        (:func:`query_tile`).
     Returns:
       o [B, Tp, Hq, Dv] in ``out_dtype`` (the public layout: no transpose after the kernel),
       lse [B, Hq, Tp] f32 (natural log).
@@ -184,7 +196,7 @@ def forward(
         ) = smem
         q_bars, k_bars, v_bars, aux_bars, k_free, v_free, schedule = barriers
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
-        q_tile = lax.axis_index("q_seq")
+        q_tile = query_tile(tp // block_q, mask.causal and longest_first)
         wg = lax.axis_index("wg")
         kv_head = lax.div(head, jnp.array(group, head.dtype))
         if mask.causal:

@@ -25,6 +25,14 @@ Config = MosaicConfig
 __all__ = ["Config", "backward", "default_config", "delta", "forward", "passes", "supported"]
 
 
+def _longest_first(config: MosaicConfig, interpret: bool) -> bool:
+    """Whether causal query tiles launch longest first: ``config.causal_order``'s choice on
+    the GPU. Pallas' GPU interpreter runs the grid's order: it only changes the hardware
+    scheduler's order, and jax 0.11.2's interpreter waits forever on the reversed order with
+    GQA (docs/mosaic_gpu.md, "Causal launch order")."""
+    return config.causal_order == "longest_first" and not interpret
+
+
 def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False):
     """(Q, K, V) for the forward: values of Q and K, the permuted K-major copy of V."""
     quantize = quantize_kernel.quantizer(config.fused_quantize, interpret, config.quantize_warps)
@@ -74,6 +82,7 @@ def forward(
         stages=config.stages,
         out_dtype=fwd_kernel.kernel_dtype(q.dtype),
         interpret=interpret,
+        longest_first=_longest_first(config, interpret),
     )
     return ForwardResult(o[:, :t].astype(q.dtype), lse[:, :, :t])
 
@@ -114,6 +123,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         quantize_warps=config.quantize_warps,
         dq_in_key_pass=config.backward_dq == "key_pass",
         wide_launches=config.backward_wide_launches,
+        longest_first=_longest_first(config, interpret),
     )
 
 
@@ -203,6 +213,7 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret:
             stages=config.stages,
             out_dtype=fwd_kernel.kernel_dtype(q.dtype),
             interpret=interpret,
+            longest_first=_longest_first(config, interpret),
         )
 
     out = {
@@ -240,6 +251,7 @@ def _backward_passes(q, k, v, o, lse, do, spec, config, interpret) -> dict:
         delta_key_tile=ops.delta_key_tile,
         dq_in_key_pass=ops.dq_in_key_pass,
         wide_launches=ops.wide_launches,
+        longest_first=ops.longest_first,
     )
 
     def arrays_only(operands):  # a pass's arguments and results: arrays only
