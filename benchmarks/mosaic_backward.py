@@ -86,35 +86,33 @@ def main(argv=None):
         tiles = [int(x) for x in args.delta_key_tiles.split(",")]
         turns = [bool(int(x)) for x in args.pingpong.split(",")]
         wides = args.wide_launches.split(",")
-        stages0 = int(args.stages.split(",")[0])
         orders = args.causal_orders.split(",")
-        w0, o0 = wides[0], orders[0]
         # the forward kernel too where the launch order varies
         all_passes = PASSES if len(orders) == 1 else ("forward_kernel",) + PASSES
-        same = (stages0, tiles[0], turns[0], w0, o0)
-        variants = [(int(s),) + same[1:] + (all_passes,) for s in args.stages.split(",")]
-        variants += [(stages0, tile) + same[2:] + (PASSES[:1],) for tile in tiles[1:]]
-        variants += [same[:2] + (pp,) + same[3:] + (PASSES,) for pp in turns[1:]]
-        variants += [same[:3] + (w,) + same[4:] + (PASSES[1:],) for w in wides[1:]]
-        variants += [same[:4] + (o, all_passes[:3]) for o in orders[1:]]
+        # each setting's first value, varied one setting at a time (the row's keys)
+        base = dict(
+            stages=int(args.stages.split(",")[0]),
+            delta_key_tile=tiles[0],
+            pingpong=turns[0],
+            wide_launches=wides[0],
+            causal_order=orders[0],
+        )
+        variants = [(dict(base, stages=int(n)), all_passes) for n in args.stages.split(",")]
+        variants += [(dict(base, delta_key_tile=tile), PASSES[:1]) for tile in tiles[1:]]
+        variants += [(dict(base, pingpong=pp), PASSES) for pp in turns[1:]]
+        variants += [(dict(base, wide_launches=w), PASSES[1:]) for w in wides[1:]]
+        variants += [(dict(base, causal_order=o), all_passes[:3]) for o in orders[1:]]
         first = {}  # pass name -> the first variant's result
-        for stages, delta_key_tile, pingpong, wide, order, names in variants:
+        for fields, names in variants:
             config = MosaicConfig(
-                backward_stages=stages,
+                backward_stages=fields["stages"],
                 fused_quantize=not args.smoke,
-                delta_key_tile=delta_key_tile,
-                backward_pingpong=pingpong,
-                backward_wide_launches=wide,
-                causal_order=order,
+                delta_key_tile=fields["delta_key_tile"],
+                backward_pingpong=fields["pingpong"],
+                backward_wide_launches=fields["wide_launches"],
+                causal_order=fields["causal_order"],
             )
-            variant = dict(
-                causal=causal,
-                stages=stages,
-                delta_key_tile=delta_key_tile,
-                pingpong=pingpong,
-                wide_launches=wide,
-                causal_order=order,
-            )
+            variant = dict(causal=causal, **fields)
             try:
                 plan = ops.passes(q, k, v, do, spec=spec, config=config, interpret=args.smoke)
             except Exception as e:  # noqa: BLE001
