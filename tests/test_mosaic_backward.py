@@ -334,43 +334,32 @@ def test_pingpong_is_bitwise_the_same():
 
 
 @NEEDS_011
-def test_longest_first_order_is_bitwise_the_same():
-    """The causal query tiles launched longest first (``longest_first`` in the forward,
-    matched-delta and dQ kernels) against the grid's order: output, lse, delta and dQ
-    bitwise equal. Causal with a ragged length (three query CTAs, the last one padded).
-    Without GQA: with GQA jax 0.11.2's GPU interpreter waits forever on the reversed order,
-    so ``implementation="mosaic_interpret"`` keeps the grid's order (ops._longest_first);
-    the H200 checked GQA shapes bit for bit (docs/mosaic_gpu.md)."""
-    from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd
+def test_longest_first_query_passes_are_bitwise_the_grid_order():
+    """The matched-delta and dQ passes with their causal query tiles launched longest first:
+    delta and dQ bitwise the grid order's (the forward's order:
+    tests/test_mosaic_gpu.py). Causal with a ragged length (three query CTAs, the last one
+    padded). Without GQA: with GQA jax 0.11.2's GPU interpreter waits forever on the
+    reversed order, so ``implementation="mosaic_interpret"`` keeps the grid's order
+    (ops._longest_first); the H200 checked GQA shapes bit for bit (docs/mosaic_gpu.md)."""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, h, d = 1, 320, 2, 64
     q, k, v, do = _gqa_inputs(7, b, t, h, h, d)
     spec = _spec(True, "matched", d)
-    q8, k8, v8 = ops.quantize_operands(q, k, v, config.MosaicConfig(fused_quantize=False), True)
-    mask = fwd.ForwardMask(t=t, s=t, causal=True, segments=False)
+    cfg = config.MosaicConfig(fused_quantize=False)
+    out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
     results = []
     for longest in (False, True):
-        out, lse = fwd.forward(
-            *ops._kernel_operands(q8, k8, v8),
-            mask=mask,
-            sm_scale=d**-0.5,
-            stages=2,
-            out_dtype=jnp.float32,
-            interpret=True,
-            longest_first=longest,
-        )
         operands = backward_ops.operands(
-            q, k, v, lse[:, :, :t], do, None, None, spec=spec, stages=2,
+            q, k, v, lse, do, None, None, spec=spec, stages=2,
             fused_quantize=False, interpret=True, longest_first=longest,
         )  # fmt: skip
-        delta = backward_ops.delta(operands, do, out[:, :t], "matched")
+        delta = backward_ops.delta(operands, do, out, "matched")
         dq = backward_ops.gradients(operands, delta, (jnp.float32,) * 2, passes=("dq",))[0]
-        results.append((out, lse, delta, dq))
-    grid, longest = results
-    assert bool(jnp.all(jnp.isfinite(grid[0]))) and float(jnp.max(jnp.abs(grid[3]))) > 0
-    for n, (a, r) in enumerate(zip(longest, grid)):
-        assert bool(jnp.all(a == r)), n
+        results.append((delta, dq))
+    (delta_grid, dq_grid), (delta_longest, dq_longest) = results
+    assert float(jnp.max(jnp.abs(dq_grid))) > 0
+    assert bool(jnp.all(delta_longest == delta_grid)) and bool(jnp.all(dq_longest == dq_grid))
 
 
 @NEEDS_011

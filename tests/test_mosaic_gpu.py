@@ -228,6 +228,25 @@ def test_wide_output_tiles_are_stored_by_columns_to_keep_two_stages():
     assert fwd.smem_bytes(2, 256, 256, jnp.bfloat16, fwd.OUT_CHUNK) <= fwd.SMEM_BYTES
 
 
+def _causal_forward_kernel(q, k, v, **kwargs):
+    """(o, lse) of the forward kernel in interpret mode on q, k, v's quantized operands
+    (causal, f32 output, 2 stages); ``kwargs`` add kernel arguments."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    q8, k8, v8 = ops.quantize_operands(q, k, v, config.MosaicConfig(fused_quantize=False), True)
+    t, d = q.shape[1], q.shape[3]
+    return fwd.forward(
+        *ops._kernel_operands(q8, k8, v8),
+        mask=fwd.ForwardMask(t=t, s=k.shape[1], causal=True, segments=False),
+        sm_scale=d**-0.5,
+        stages=2,
+        out_dtype=jnp.float32,
+        interpret=True,
+        **kwargs,
+    )
+
+
 @pytest.mark.skipif(
     not JAX_011,
     reason=f"Pallas' GPU interpret mode runs Mosaic GPU kernels from jax 0.11; this is jax {jax.__version__}",
@@ -235,28 +254,35 @@ def test_wide_output_tiles_are_stored_by_columns_to_keep_two_stages():
 def test_output_stored_by_columns_is_bitwise_the_whole_tile():
     """The forward kernel (interpret mode) storing O 32 f32 columns at a time writes exactly
     the bytes of the whole-tile store, and the same lse."""
-    from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd
-    from pallas_kernels.fp8_attention.mosaic_gpu import ops
-
     b, t, hq, d = 1, 256, 2, 64
     ks = jax.random.split(jax.random.PRNGKey(3), 3)
     q, k, v = (jax.random.normal(key, (b, t, hq, d)) for key in ks)
-    q8, k8, v8 = ops.quantize_operands(q, k, v, config.MosaicConfig(fused_quantize=False), True)
-    mask = fwd.ForwardMask(t=t, s=t, causal=True, segments=False)
 
     def run(out_cols):
-        return fwd.forward(
-            *ops._kernel_operands(q8, k8, v8),
-            mask=mask,
-            sm_scale=d**-0.5,
-            stages=2,
-            out_dtype=jnp.float32,
-            interpret=True,
-            out_cols=out_cols,
-        )
+        return _causal_forward_kernel(q, k, v, out_cols=out_cols)
 
     (o_whole, lse_whole), (o_cols, lse_cols) = run(None), run(32)
     assert bool(jnp.all(jnp.isfinite(o_whole)))
     assert bool(jnp.array_equal(o_cols, o_whole)) and bool(jnp.array_equal(lse_cols, lse_whole))
     with pytest.raises(ValueError, match="out_cols"):
         run(24)
+
+
+@pytest.mark.skipif(
+    not JAX_011,
+    reason=f"Pallas' GPU interpret mode runs Mosaic GPU kernels from jax 0.11; this is jax {jax.__version__}",
+)
+def test_longest_first_forward_is_bitwise_the_grid_order():
+    """The forward kernel with its causal query tiles launched longest first: output and
+    lse bitwise the grid order's. Causal with a ragged length (three query CTAs, the last
+    one padded). Without GQA: with GQA jax 0.11.2's GPU interpreter waits forever on the
+    reversed order, so ``implementation="mosaic_interpret"`` keeps the grid's order
+    (ops._longest_first); the H200 checked GQA shapes bit for bit (docs/mosaic_gpu.md)."""
+    b, t, h, d = 1, 320, 2, 64
+    ks = jax.random.split(jax.random.PRNGKey(7), 3)
+    q, k, v = (jax.random.normal(key, (b, t, h, d)) for key in ks)
+    (o_grid, lse_grid), (o_longest, lse_longest) = (
+        _causal_forward_kernel(q, k, v, longest_first=longest) for longest in (False, True)
+    )
+    assert bool(jnp.all(jnp.isfinite(o_grid)))
+    assert bool(jnp.array_equal(o_longest, o_grid)) and bool(jnp.array_equal(lse_longest, lse_grid))
