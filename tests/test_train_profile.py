@@ -106,3 +106,34 @@ def test_command_buffers_off_keeps_other_xla_flags(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
     profile_step._disable_command_buffers()
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
+
+
+def test_kernels_missing_from_the_xla_ops_line_count_and_busy_time_is_not_host_time():
+    """An operation seen only on a stream (not on 'XLA Ops') counts with its kernel time;
+    kernel time no named operation explains is 'unattributed', not host time."""
+
+    def event(name, ts, dur, thread, **args):
+        return dict(ph="X", name=name, ts=ts, dur=dur, pid=1, tid=thread, thread=thread, args=args)
+
+    module = dict(hlo_module="jit_train_step")
+    events = [
+        event("fusion.1", 0.0, 4.0, "XLA Ops"),
+        event("k1", 0.5, 3.0, "Stream #7", hlo_op="fusion.1", **module),
+        event("gemm", 5.0, 6.0, "Stream #7", hlo_op="custom-call.2", **module),  # no XLA Ops event
+        event("anon", 12.0, 5.0, "Stream #9", **module),  # a kernel without an operation name
+        event("python", 0.0, 20.0, "main"),
+    ]
+    ops = trace_summary.op_events(events, "train_step")
+    assert sorted(e["args"]["hlo_op"] for e in ops) == ["custom-call.2", "fusion.1"]
+    assert trace_summary.stream_busy(events, "train_step") == pytest.approx(14e-6)
+    assert trace_summary.stream_busy([events[-1]], "train_step") is None  # no GPU timeline
+    names = {"fusion.1": "jit(train_step)/jvp(gdn)/mixer/x", "custom-call.2": "a/gdn/ffn/dot"}
+    busy = trace_summary.stream_busy(events, "train_step")
+    summary = trace_summary.summarize(ops, names, wall_s=20e-6, steps=1, busy_s=busy)
+    assert summary["by_op_class"]["ffn"][0] == pytest.approx(6e-6)
+    assert summary["unattributed_s"] == pytest.approx(4e-6)  # 14 busy - (4 + 6) named
+    assert summary["host_s"] == pytest.approx(6e-6)  # 20 - 14
+    assert sum(share for _, share in summary["by_op_class"].values()) == pytest.approx(1.0)
+    assert "unattributed" in trace_summary.markdown(summary, "toy")
+    totals = trace_summary.thread_totals(events, steps=1)
+    assert totals["Stream #7"] == [2, pytest.approx(9e-6)] and list(totals)[0] == "main"

@@ -5,7 +5,8 @@ batch, sequence length, --scan-layers, --remat, ...), compiles the step (timed),
 `--warmup` steps, then `--profile-steps` steps under `jax.profiler.trace`, and writes
 
     DIR/profile.json   seconds per step by layer kind, op class and direction, the step
-                       time, tokens/s, model FLOP/s and MFU, compile seconds
+                       time, tokens/s, model FLOP/s and MFU, compile seconds; on a GPU
+                       also its streams' busy time and the trace's timelines (`threads`)
     DIR/profile.md     the same as markdown tables
     DIR/trace/         the raw profile (TensorBoard / Perfetto / xprof)
 
@@ -92,12 +93,13 @@ def profile(cfg, *, out: str, warmup: int = 2, steps: int = 3) -> dict:
             params, opt_state, stats = compiled(params, opt_state, batch)
         jax.block_until_ready((params, opt_state, stats))
         wall_s = time.perf_counter() - t0
-    ops = trace_summary.op_events(trace_summary.read_trace(trace_dir), "train_step")
+    trace_events = trace_summary.read_trace(trace_dir)
+    ops = trace_summary.op_events(trace_events, "train_step")
     if not ops:
         print(f"warning: no operation of the step found in {trace_dir}; the table is host only")
-    summary = trace_summary.summarize(
-        ops, trace_summary.op_names(compiled.as_text()), wall_s, steps
-    )
+    names = trace_summary.op_names(compiled.as_text())
+    busy_s = trace_summary.stream_busy(trace_events, "train_step")
+    summary = trace_summary.summarize(ops, names, wall_s, steps, busy_s=busy_s)
     tokens_per_s = cfg.batch_size * cfg.seq_len / summary["step_s"]
     payload = dict(
         preset=cfg.model.name,
@@ -113,6 +115,7 @@ def profile(cfg, *, out: str, warmup: int = 2, steps: int = 3) -> dict:
         tokens_per_s=tokens_per_s,
         **throughput.utilisation(throughput.non_embedding_params(model), tokens_per_s),
         **summary,
+        threads=trace_summary.thread_totals(trace_events, steps),
     )
     _write(out, payload)
     return payload

@@ -11,7 +11,9 @@ layer kind and per op class (backward operations carry `transpose(...)` in their
 
 Host time is the profiled wall time minus the summed operation time (dispatch, Python,
 gaps between operations); on a CPU, where operations of one step may overlap on several
-threads, it is a lower bound.
+threads, it is a lower bound. On a GPU the kernels on the device's streams say how long the
+GPU was busy (`stream_busy`); kernel time that no named operation accounts for is counted
+as "unattributed", not as host time, and `thread_totals` says which timelines held what.
 """
 
 from __future__ import annotations
@@ -127,7 +129,49 @@ def op_events(events: list[dict], module: str) -> list[dict]:
         if e is not None and module in str(e["args"].get("hlo_module", module)):
             ops.append(e)
     xla_ops = [e for e in ops if e["thread"] == "XLA Ops"]
-    return _leaves(xla_ops or ops)
+    if not xla_ops:
+        return _leaves(ops)
+    # kernels of operations the 'XLA Ops' line does not show (seen on the device's streams
+    # only) count with their own kernel time
+    shown = {e["args"]["hlo_op"] for e in xla_ops}
+    extra = [e for e in ops if _on_stream(e) and e["args"]["hlo_op"] not in shown]
+    return _leaves(xla_ops) + extra
+
+
+def _on_stream(event: dict) -> bool:
+    """A kernel or copy on one of the GPU's streams (timelines named "Stream #N...")."""
+    return event["thread"].startswith("Stream")
+
+
+def stream_busy(events: list[dict], module: str) -> float | None:
+    """Seconds during which at least one stream of the GPU ran a kernel or copy of HLO
+    modules whose name contains `module` (events without a module name count too), or None
+    when the trace has no stream timeline (a CPU)."""
+    spans = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if _on_stream(e) and module in str(e.get("args", {}).get("hlo_module", module))
+    )
+    if not spans:
+        return None
+    busy, (start, end) = 0.0, spans[0]
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start = busy + end - start, s
+        end = max(end, e)
+    return (busy + end - start) * 1e-6
+
+
+def thread_totals(events: list[dict], steps: int, top: int = 20) -> dict:
+    """{timeline (thread) name: [complete events, summed duration in seconds]} per step,
+    the `top` largest by duration: which timelines the trace filled."""
+    totals = collections.defaultdict(lambda: [0.0, 0.0])
+    for e in events:
+        row = totals[e["thread"] or str(e.get("tid"))]
+        row[0] += 1 / steps
+        row[1] += float(e.get("dur", 0.0)) * 1e-6 / steps
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]
+    return {name: [round(n, 1), secs] for name, (n, secs) in ranked}
 
 
 def _leaves(events: list[dict]) -> list[dict]:
@@ -146,13 +190,18 @@ def _leaves(events: list[dict]) -> list[dict]:
     return leaves
 
 
-def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dict:
+def summarize(
+    events: list[dict], names: dict, wall_s: float, steps: int, busy_s: float | None = None
+) -> dict:
     """Seconds per step by layer kind, op class and direction, with their shares of the step.
 
     `events`: from `op_events`; `names`: from `op_names`; `wall_s`: profiled wall time of
-    `steps` steps. Returns {"step_s", "op_s", "host_s", "by_layer_kind", "by_op_class",
-    "by_direction", "top_op_names", "unnamed_ops"} (seconds per step; each "by_*" maps to
-    [seconds, share]; the last two hold the `TOP` costliest op_names and unnamed ops)."""
+    `steps` steps; `busy_s`: the GPU's busy time over those steps (`stream_busy`), if known.
+    Returns {"step_s", "op_s", "host_s", "busy_s", "unattributed_s", "by_layer_kind",
+    "by_op_class", "by_direction", "top_op_names", "unnamed_ops"} (seconds per step; each
+    "by_*" maps to [seconds, share]; the last two hold the `TOP` costliest op_names and
+    unnamed ops). With `busy_s`, kernel time beyond the named operations' is
+    "unattributed" and host time is the step minus the busy time."""
     tables = {k: collections.Counter() for k in ("by_layer_kind", "by_op_class", "by_direction")}
     unnamed, by_op_name = collections.Counter(), collections.Counter()
     for e in events:
@@ -170,10 +219,15 @@ def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dic
         tables["by_direction"][direction] += seconds
     step_s = wall_s / steps
     op_s = sum(tables["by_op_class"].values())
-    host_s = max(step_s - op_s, 0.0)
+    busy = None if busy_s is None else busy_s / steps
+    unattributed = 0.0 if busy is None else max(busy - op_s, 0.0)
+    host_s = max(step_s - op_s - unattributed, 0.0)
     for counter in tables.values():
         counter["host"] = host_s
-    total = max(op_s + host_s, 1e-30)
+        if unattributed:
+            counter["unattributed"] = unattributed
+    op_s_total = op_s + unattributed
+    total = max(op_s_total + host_s, 1e-30)
     out = {
         name: {k: [v, v / total] for k, v in counter.most_common()}
         for name, counter in tables.items()
@@ -182,6 +236,8 @@ def summarize(events: list[dict], names: dict, wall_s: float, steps: int) -> dic
         step_s=step_s,
         op_s=op_s,
         host_s=host_s,
+        busy_s=busy,
+        unattributed_s=unattributed,
         top_op_names=dict(by_op_name.most_common(TOP)),
         unnamed_ops=dict(unnamed.most_common(TOP)),
         **out,
@@ -196,6 +252,12 @@ def markdown(summary: dict, title: str) -> str:
         f"Step {summary['step_s'] * 1e3:.1f} ms, of which operations "
         f"{summary['op_s'] * 1e3:.1f} ms and host/gaps {summary['host_s'] * 1e3:.1f} ms.",
     ]
+    if summary.get("busy_s") is not None:
+        lines[-1] += (
+            f" The GPU's streams were busy {summary['busy_s'] * 1e3:.1f} ms; "
+            f"{summary['unattributed_s'] * 1e3:.1f} ms of kernel time is not attributed to a "
+            "named operation (row 'unattributed')."
+        )
     core = summary["by_op_class"].get("attention_core")
     if core:
         share = core[1]
