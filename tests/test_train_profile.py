@@ -76,7 +76,7 @@ def test_profile_step_writes_json_and_markdown(tmp_path, capsys, monkeypatch):
         profile_step.main(["--preset", "gqa-tiny"])  # --out is required
 
 
-def test_op_events_read_a_gpu_style_timeline_and_skip_enclosing_loops():
+def test_op_events_read_an_xla_ops_timeline_and_skip_enclosing_loops():
     def event(name, ts, dur, thread, **args):
         return dict(ph="X", name=name, ts=ts, dur=dur, pid=1, tid=thread, thread=thread, args=args)
 
@@ -84,7 +84,6 @@ def test_op_events_read_a_gpu_style_timeline_and_skip_enclosing_loops():
         event("while.3", 0.0, 10.0, "XLA Ops"),  # spans its body's operations
         event("fusion.1", 1.0, 4.0, "XLA Ops"),
         event("fusion.2", 5.0, 3.0, "XLA Ops"),
-        event("kernel_xyz", 1.0, 4.0, "Stream #7", hlo_op="fusion.1", hlo_module="jit_train_step"),
         event("other.9", 20.0, 2.0, "XLA Ops", hlo_op="other.9", hlo_module="jit_eval_step"),
     ]
     ops = trace_summary.op_events(events, "train_step")
@@ -108,32 +107,56 @@ def test_command_buffers_off_keeps_other_xla_flags(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
 
 
-def test_kernels_missing_from_the_xla_ops_line_count_and_busy_time_is_not_host_time():
-    """An operation seen only on a stream (not on 'XLA Ops') counts with its kernel time;
-    kernel time no named operation explains is 'unattributed', not host time."""
+def test_stream_kernels_are_named_by_annotation_launch_or_kernel_name():
+    """On a GPU the kernels on its streams are the device time: named by their own hlo_op,
+    by the host event that launched them (a library kernel such as cuBLAS's), or by the
+    fusion their kernel name spells; a kernel none of these name is listed by its name."""
 
     def event(name, ts, dur, thread, **args):
         return dict(ph="X", name=name, ts=ts, dur=dur, pid=1, tid=thread, thread=thread, args=args)
 
     module = dict(hlo_module="jit_train_step")
     events = [
-        event("fusion.1", 0.0, 4.0, "XLA Ops"),
-        event("k1", 0.5, 3.0, "Stream #7", hlo_op="fusion.1", **module),
-        event("gemm", 5.0, 6.0, "Stream #7", hlo_op="custom-call.2", **module),  # no XLA Ops event
-        event("anon", 12.0, 5.0, "Stream #9", **module),  # a kernel without an operation name
+        event("thunk", 4.0, 8.0, "host", hlo_op="custom-call.2", **module),
+        event("cuLaunchKernel", 4.5, 0.5, "host", correlation_id=7),
         event("python", 0.0, 20.0, "main"),
+        event("fusion.1", 0.5, 3.0, "Stream #7", hlo_op="fusion.1", **module),
+        event("sm90_xmma_gemm_bf16", 5.0, 6.0, "Stream #7", correlation_id=7),
+        event("loop_add_fusion_3", 12.0, 2.0, "Stream #7"),
+        event("mystery_kernel", 15.0, 2.0, "Stream #9"),
+        event("other_module", 18.0, 1.0, "Stream #7", hlo_op="x.1", hlo_module="jit_eval"),
     ]
-    ops = trace_summary.op_events(events, "train_step")
-    assert sorted(e["args"]["hlo_op"] for e in ops) == ["custom-call.2", "fusion.1"]
-    assert trace_summary.stream_busy(events, "train_step") == pytest.approx(14e-6)
-    assert trace_summary.stream_busy([events[-1]], "train_step") is None  # no GPU timeline
-    names = {"fusion.1": "jit(train_step)/jvp(gdn)/mixer/x", "custom-call.2": "a/gdn/ffn/dot"}
+    names = {
+        "fusion.1": "jit(train_step)/jvp(gdn)/mixer/x",
+        "custom-call.2": "jit(train_step)/jvp(gdn)/ffn/dot_general",
+        "loop_add_fusion.3": "jit(train_step)/optimizer/add",
+    }
+    ops = trace_summary.op_events(events, "train_step", names)
+    assert [e["args"]["hlo_op"] for e in ops] == [
+        "fusion.1",
+        "custom-call.2",
+        "loop_add_fusion.3",
+        "mystery_kernel",
+    ]
     busy = trace_summary.stream_busy(events, "train_step")
+    assert busy == pytest.approx(13e-6)
+    assert trace_summary.stream_busy(events[:3], "train_step") is None  # no GPU timeline
     summary = trace_summary.summarize(ops, names, wall_s=20e-6, steps=1, busy_s=busy)
-    assert summary["by_op_class"]["ffn"][0] == pytest.approx(6e-6)
-    assert summary["unattributed_s"] == pytest.approx(4e-6)  # 14 busy - (4 + 6) named
+    classes = summary["by_op_class"]
+    assert classes["ffn"][0] == pytest.approx(6e-6) and classes["mixer"][0] == pytest.approx(3e-6)
+    assert classes["optimizer"][0] == pytest.approx(2e-6)
+    assert summary["unnamed_ops"] == {"mystery_kernel": pytest.approx(2e-6)}
+    assert summary["unattributed_s"] == 0.0 and summary["host_s"] == pytest.approx(7e-6)
+    assert sum(share for _, share in classes.values()) == pytest.approx(1.0)
+    totals = trace_summary.thread_totals(events, steps=1)
+    assert totals["Stream #7"] == [4, pytest.approx(12e-6)] and list(totals)[0] == "main"
+
+
+def test_kernel_time_beyond_the_named_operations_is_unattributed_not_host():
+    ops = [dict(ph="X", ts=0.0, dur=4.0, thread="Stream #7", args=dict(hlo_op="fusion.1"))]
+    names = {"fusion.1": "jit(train_step)/jvp(gdn)/mixer/x"}
+    summary = trace_summary.summarize(ops, names, wall_s=20e-6, steps=1, busy_s=14e-6)
+    assert summary["unattributed_s"] == pytest.approx(10e-6)  # 14 busy - 4 named
     assert summary["host_s"] == pytest.approx(6e-6)  # 20 - 14
     assert sum(share for _, share in summary["by_op_class"].values()) == pytest.approx(1.0)
     assert "unattributed" in trace_summary.markdown(summary, "toy")
-    totals = trace_summary.thread_totals(events, steps=1)
-    assert totals["Stream #7"] == [2, pytest.approx(9e-6)] and list(totals)[0] == "main"

@@ -94,10 +94,10 @@ def profile(cfg, *, out: str, warmup: int = 2, steps: int = 3) -> dict:
         jax.block_until_ready((params, opt_state, stats))
         wall_s = time.perf_counter() - t0
     trace_events = trace_summary.read_trace(trace_dir)
-    ops = trace_summary.op_events(trace_events, "train_step")
+    names = trace_summary.op_names(compiled.as_text())
+    ops = trace_summary.op_events(trace_events, "train_step", names)
     if not ops:
         print(f"warning: no operation of the step found in {trace_dir}; the table is host only")
-    names = trace_summary.op_names(compiled.as_text())
     busy_s = trace_summary.stream_busy(trace_events, "train_step")
     summary = trace_summary.summarize(ops, names, wall_s, steps, busy_s=busy_s)
     tokens_per_s = cfg.batch_size * cfg.seq_len / summary["step_s"]

@@ -109,11 +109,15 @@ def read_trace(trace_dir: str) -> list[dict]:
     return out
 
 
-def op_events(events: list[dict], module: str) -> list[dict]:
+def op_events(events: list[dict], module: str, names: dict | None = None) -> list[dict]:
     """Executed operations of HLO modules whose name contains `module`, one per execution,
-    with `args["hlo_op"]` set: on a GPU the 'XLA Ops' timeline (device time per HLO
-    operation; the event name is the op when its args do not say), elsewhere every event
-    that names its HLO op; control flow that encloses other operations is left out."""
+    with `args["hlo_op"]` set. Where the trace has the GPU's stream timelines, their kernels
+    (`stream_kernels`: device time, each named by its HLO op where the trace allows);
+    else the 'XLA Ops' timeline (device time per HLO operation; the event name is the op
+    when its args do not say), else every event that names its HLO op; control flow that
+    encloses other operations is left out."""
+    if any(_on_stream(e) for e in events):
+        return stream_kernels(events, module, names or {})
 
     def op(e):
         args = e.get("args", {})
@@ -129,13 +133,49 @@ def op_events(events: list[dict], module: str) -> list[dict]:
         if e is not None and module in str(e["args"].get("hlo_module", module)):
             ops.append(e)
     xla_ops = [e for e in ops if e["thread"] == "XLA Ops"]
-    if not xla_ops:
-        return _leaves(ops)
-    # kernels of operations the 'XLA Ops' line does not show (seen on the device's streams
-    # only) count with their own kernel time
-    shown = {e["args"]["hlo_op"] for e in xla_ops}
-    extra = [e for e in ops if _on_stream(e) and e["args"]["hlo_op"] not in shown]
-    return _leaves(xla_ops) + extra
+    return _leaves(xla_ops or ops)
+
+
+def stream_kernels(events: list[dict], module: str, names: dict) -> list[dict]:
+    """The kernels and copies on the GPU's streams, each with `args["hlo_op"]`: its own
+    annotation; else the op of the host event that launched it (the launch call with the
+    same `correlation_id`, inside an event that names its op: how library kernels such as
+    cuBLAS's appear); else the instruction whose name the kernel carries (XLA names a
+    fusion's kernel after it, '.' -> '_'; `names` from `op_names`); else the kernel's own
+    name, which no op_name matches (listed among the unnamed ops)."""
+    launched = _launches(events)
+    by_kernel_name = {re.sub(r"[^A-Za-z0-9_]", "_", n): n for n in names}
+    out = []
+    for e in events:
+        args = e.get("args", {})
+        if not _on_stream(e) or module not in str(args.get("hlo_module", module)):
+            continue
+        op = args.get("hlo_op") or launched.get(str(args.get("correlation_id")))
+        op = op or by_kernel_name.get(e.get("name", "")) or e.get("name", "")
+        out.append(dict(e, args=dict(args, hlo_op=op)))
+    return out
+
+
+def _launches(events: list[dict]) -> dict:
+    """{correlation id: hlo_op} of host events that carry a correlation id (launch calls),
+    from the innermost event of the same thread enclosing them that names its op."""
+    by_thread = {}
+    for e in events:
+        if not _on_stream(e):
+            by_thread.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    launched = {}
+    for line in by_thread.values():
+        line.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
+        stack = []  # (end, hlo_op or None) of the events enclosing the current one
+        for e in line:
+            ts, args = float(e["ts"]), e.get("args", {})
+            while stack and stack[-1][0] <= ts:
+                stack.pop()
+            op = args.get("hlo_op") or next((o for _, o in reversed(stack) if o), None)
+            if "correlation_id" in args and op:
+                launched[str(args["correlation_id"])] = op
+            stack.append((ts + float(e.get("dur", 0.0)), args.get("hlo_op")))
+    return launched
 
 
 def _on_stream(event: dict) -> bool:
