@@ -43,6 +43,7 @@ def arms(case: Case, implementation="pallas"):
     import dataclasses
 
     interpret = implementation.endswith("_interpret")  # the CPU smoke test
+    ids = case.segment_ids()  # packed documents (every arm sees them), or None
 
     def ours(delta, precision, accumulation=None, backend=implementation, config=None):
         if interpret and not backend.endswith("_interpret"):
@@ -58,6 +59,7 @@ def arms(case: Case, implementation="pallas"):
             causal=case.causal,
             delta=delta,
             precision=precision,
+            segment_ids=ids,
             implementation=backend,
             config=config,
         )
@@ -102,7 +104,10 @@ def arms(case: Case, implementation="pallas"):
             out["cudnn_fp8"] = lambda q, k, v: cudnn_fp8_attention(q, k, v, causal=case.causal)
     except Exception as e:  # baseline module missing: record, keep going
         print("cudnn_fp8 arm unavailable:", e)
-    out["cudnn_bf16"] = lambda q, k, v: cudnn_bf16(q, k, v, case.causal)
+    out["cudnn_bf16"] = lambda q, k, v: cudnn_bf16(q, k, v, case.causal, ids)
+    # documents as cuDNN's packed sequences (starts and lengths) instead of a dense mask
+    most = None if ids is None else case.t // case.segment_len + 2  # documents per row
+    out["cudnn_bf16_packed"] = lambda q, k, v: cudnn_bf16(q, k, v, case.causal, ids, most)
     if case.t <= 4096:  # XLA materializes the [B, H, T, S] logits
         out["xla_bf16"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=case.causal, implementation="xla"
@@ -110,13 +115,25 @@ def arms(case: Case, implementation="pallas"):
     return out
 
 
-def cudnn_bf16(q, k, v, causal):
+def cudnn_bf16(q, k, v, causal, ids=None, max_segments=None):
     """cuDNN bf16 attention; its JAX entry needs Dv == Dqk, so a narrower V (MLA: 192/128)
-    is zero-padded to Dqk and the output cut back (its extra work is not counted)."""
+    is zero-padded to Dqk and the output cut back (its extra work is not counted).
+    Documents (``ids``: the case's (q ids, kv ids)) reach cuDNN as a dense mask, or given
+    ``max_segments`` (documents per row, at most) as its packed sequences
+    (`dm_jax.baselines.packed_segments`)."""
+    from dm_jax.baselines import cudnn_bf16_attention
+
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, dqk - dv)])
-    out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    if ids is None:
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    elif max_segments:  # self-attention: the query ids
+        out = cudnn_bf16_attention(
+            q, k, v, causal=causal, segment_ids=ids[0], max_segments=max_segments
+        )
+    else:
+        out = cudnn_bf16_attention(q, k, v, causal=causal, segment_ids=ids)
     return out[..., :dv]
 
 
@@ -192,7 +209,7 @@ def errors(attn, args, hp):
 
 def bench_case(case: Case, iters, reps, budget_end, only=None, implementation="pallas"):
     sets = [case.arrays(seed=s, dtype=jnp.bfloat16) for s in (0, 1)]
-    hp = f32_out_and_grads(*[x.astype(F32) for x in sets[0]], case.causal)
+    hp = f32_out_and_grads(*[x.astype(F32) for x in sets[0]], case.causal, case.segment_ids())
     rows = []
     available = arms(case, implementation)
     for name in [n for n in only if n in available] if only else list(available):

@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from dm_jax.masking import split_segment_ids
+from dm_jax.nn.sequence import document_starts
 from dm_jax.nn.fp8 import current_scale, quantize
 
 
@@ -81,15 +82,72 @@ def _segment_mask(segment_ids, T, S):
     return (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
 
 
-def cudnn_bf16_attention(q, k, v, *, causal=False, scale=None, segment_ids=None):
-    """cuDNN flash attention in bf16: q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,Dv] bf16."""
+def cudnn_bf16_attention(q, k, v, *, causal=False, scale=None, segment_ids=None, max_segments=None):
+    """cuDNN flash attention in bf16: q [B,T,Hq,D], k/v [B,S,Hkv,D] -> [B,T,Hq,Dv] bf16.
+
+    Segment ids go to cuDNN as a dense [B, 1, T, S] mask (a constant bias it reads in both
+    directions) unless ``max_segments`` is given: then self-attention segment ids (one [B, T]
+    array of contiguous runs) go as cuDNN's packed sequences (`packed_segments`: each
+    document's start and length), which need at most ``max_segments`` documents per row
+    (a row with more: the first ``max_segments`` are attended, the rest see nothing).
+    """
+    packed = segment_ids is not None and max_segments is not None
+    if packed and (isinstance(segment_ids, (tuple, list)) or q.shape[1] != k.shape[1]):
+        raise ValueError(
+            "max_segments: cuDNN's packed sequences take self-attention segment ids (one [B, T] "
+            f"array with T = S), got {type(segment_ids).__name__} for T = {q.shape[1]}, "
+            f"S = {k.shape[1]}"
+        )
     _require_gpu("cudnn_bf16_attention")
-    mask = None if segment_ids is None else _segment_mask(segment_ids, q.shape[1], k.shape[1])
     bf = lambda x: x.astype(jnp.bfloat16)
+    if packed:
+        return _cudnn_packed(bf(q), bf(k), bf(v), causal, scale, segment_ids, max_segments)
+    mask = None if segment_ids is None else _segment_mask(segment_ids, q.shape[1], k.shape[1])
     out = jax.nn.dot_product_attention(
         bf(q), bf(k), bf(v), mask=mask, scale=scale, is_causal=causal, implementation="cudnn"
     )
     return out.astype(q.dtype)
+
+
+def packed_segments(segment_ids, max_segments: int):
+    """(seqlen [B, M], offsets [B, M + 1]) int32 of the documents in each row of
+    `segment_ids` [B, T] (contiguous runs, `dm_jax.nn.sequence.document_starts`), in the
+    form cuDNN's packed attention takes: each document's length and first token, -1 past a
+    row's last document (M = `max_segments`; a row's documents past M are dropped)."""
+    if segment_ids.ndim != 2:
+        raise ValueError(f"segment_ids: expected one [B, T] array, got shape {segment_ids.shape}")
+    if max_segments < 1:
+        raise ValueError(f"max_segments: expected >= 1, got {max_segments}")
+    t = segment_ids.shape[1]
+    starts = document_starts(segment_ids)
+
+    def row(s):  # first tokens of the row's documents, T where there are no more
+        return jnp.nonzero(s, size=max_segments + 1, fill_value=t)[0].astype(jnp.int32)
+
+    first = jax.vmap(row)(starts)  # [B, M + 1]
+    present = first[:, :-1] < t
+    seqlen = jnp.where(present, first[:, 1:] - first[:, :-1], -1)
+    offsets = jnp.where(first < t, first, -1).at[:, -1].set(-1)
+    return seqlen, offsets
+
+
+def _cudnn_packed(q, k, v, causal, scale, segment_ids, max_segments):
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    seqlen, offsets = packed_segments(jnp.asarray(segment_ids, jnp.int32), max_segments)
+    mask_type = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return fa.dot_product_attention(
+        q,
+        k,
+        v,
+        q_seqlen=seqlen,
+        kv_seqlen=seqlen,
+        q_offsets=offsets,
+        kv_offsets=offsets,
+        scale=scale,
+        mask_type=mask_type,
+    )
 
 
 def check_cudnn_fp8_shapes(q, k, v, segment_ids=None):

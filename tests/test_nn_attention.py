@@ -256,3 +256,24 @@ def test_cudnn_fp8_scaling_bookkeeping(monkeypatch, do_size):
     assert rel(o, o_ref) < 0.1
     for g, g_ref in zip(vjp(do), vjp_ref(do)):
         assert g.shape == g_ref.shape and rel(g, g_ref) < 0.1
+
+
+def test_packed_segments_give_each_documents_start_and_length():
+    """cuDNN's packed sequences from segment ids: each row's documents (contiguous runs),
+    their first tokens and lengths, -1 past the last; documents past max_segments dropped."""
+    ids = jnp.array([[0, 0, 0, 1, 1, 2, 2, 2], [5] * 8, [1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 1, 1] * 2])
+    seqlen, offsets = baselines.packed_segments(ids, 4)
+    assert seqlen.tolist() == [[3, 2, 3, -1], [8, -1, -1, -1], [1, 1, 1, 1], [2, 2, 2, 2]]
+    assert offsets.tolist() == [
+        [0, 3, 5, -1, -1],
+        [0, -1, -1, -1, -1],
+        [0, 1, 2, 3, -1],
+        [0, 2, 4, 6, -1],
+    ]
+    with pytest.raises(ValueError, match="max_segments"):
+        baselines.packed_segments(ids, 0)
+    with pytest.raises(ValueError, match="one \\[B, T\\] array"):
+        baselines.packed_segments(ids[0], 2)
+    q = jnp.zeros((4, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="self-attention segment ids"):
+        baselines.cudnn_bf16_attention(q, q, q, segment_ids=(ids, ids), max_segments=4)

@@ -54,10 +54,13 @@ class Case:
         return ids(self.t), ids(self.s)
 
     def shrunk(self):
-        """The same problem at [1, 256 tokens, 2 query heads] (GQA stays grouped): the size
-        at which the GPU scripts' --smoke modes run on a CPU."""
+        """The same problem at [1, 256 tokens, 2 query heads] (GQA stays grouped; documents
+        shrink with the tokens, to 16 or more): the size at which the GPU scripts' --smoke
+        modes run on a CPU."""
+        seg = self.segment_len
+        seg = None if seg is None else max(16, seg * 256 // self.t)
         return dataclasses.replace(
-            self, b=1, t=256, s=256, hq=2, hkv=2 if self.hkv == self.hq else 1
+            self, b=1, t=256, s=256, hq=2, hkv=2 if self.hkv == self.hq else 1, segment_len=seg
         )
 
     @property
@@ -158,4 +161,8 @@ BENCH_SHAPES = {
     # few heads, so a causal launch has few CTAs per SM and its last wave matters
     "small_t8192": Case("small_t8192", 8, 8192, 8192, 4, 2, 128, 128),
     "h569m_t8192": Case("h569m_t8192", 4, 8192, 8192, 4, 2, 256, 256),
+    # the `569m` layer at 8 x 4096 as training runs it: packed documents (segment ids; here
+    # of 1,500 tokens, offset per row), beside the same layer without them
+    "h569m_t4096": Case("h569m_t4096", 8, 4096, 4096, 4, 2, 256, 256),
+    "h569m_t4096_docs": Case("h569m_t4096_docs", 8, 4096, 4096, 4, 2, 256, 256, segment_len=1500),
 }
