@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 import dm_jax
 from benchmarks.correctness import f32_out_and_grads, fro_rel
+from dm_jax.baselines import cudnn_bf16_attention
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, default_config
@@ -121,8 +122,6 @@ def cudnn_bf16(q, k, v, causal, ids=None, max_segments=None):
     Documents (``ids``: the case's (q ids, kv ids)) reach cuDNN as a dense mask, or given
     ``max_segments`` (documents per row, at most) as its packed sequences
     (`dm_jax.baselines.packed_segments`)."""
-    from dm_jax.baselines import cudnn_bf16_attention
-
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, dqk - dv)])

@@ -20,7 +20,9 @@
 #                                                       # 32k tokens per step (569m, then small at
 #                                                       # twice the tokens), peaks for the estimate
 #                                                       # (PRESETS="569m" for one of them;
-#                                                       # LAYOUT=" " lets --scan-layers auto pick)
+#                                                       # LAYOUT=" " lets --scan-layers auto pick;
+#                                                       # DOCS=packed: cudnn_bf16 with cuDNN's
+#                                                       # packed sequences, not a dense mask)
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
@@ -140,8 +142,10 @@ pairs)
     [ "$preset" = small ] && TOKENS=65536
     for arm in cudnn_bf16 matched; do
       name="$preset-$T-$arm-unrolled"
+      docs=""
+      [ "$arm" = cudnn_bf16 ] && [ -n "${DOCS:-}" ] && docs="--cudnn-documents $DOCS" && name="$name-$DOCS"
       run "$name" --preset $preset --seq-len "$T" --batch-size $((TOKENS / T)) $QUIET \
-        --attention "$arm" --compile-cache off ${LAYOUT:---scan-layers off --skip-memory-check}
+        --attention "$arm" --compile-cache off ${LAYOUT:---scan-layers off --skip-memory-check} $docs
       dirs+=("$R/$name")
     done
   done

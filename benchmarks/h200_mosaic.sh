@@ -32,6 +32,10 @@
 #                                          # (bitwise check + times) at the main, d256 and
 #                                          # the training presets' attention shapes; then
 #                                          # fwd+bwd of the causal main and d256 shapes
+#   bash benchmarks/h200_mosaic.sh docs    # packed documents: the 569m layer at 8 x 4096 with
+#                                          # and without segment ids, Mosaic FP8 matched against
+#                                          # cuDNN BF16 through a dense mask and its packed
+#                                          # sequences (docs/training.md, "Pairs 6 and 7")
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
 #                                          # (memory throughput, registers, stalls, SASS hotspots;
 #                                          # QWARPS=8: at 8 warps per program)
@@ -120,6 +124,13 @@ headline)
   echo "attention causal: exit $?"
   grep "^| [a-z0-9_]* | [a-z]" "$W/attention_causal.log"
   ;;
+docs)
+  timeout 400 python3 benchmarks/attention.py --shapes h569m_t4096_docs,h569m_t4096 --causal 1 \
+    --budget 360 --iters 5 --reps 3 --arms mosaic_fp8_matched,cudnn_bf16_packed,cudnn_bf16 \
+    --tag _docs --out "$W" > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  grep "^| [a-z0-9_]* | [a-z]" "$W/attention.log"
+  ;;
 dqkeys)
   timeout 250 python3 benchmarks/dq_key_pass.py --out "$W" > "$W/dq_key_pass.log" 2>&1
   echo "dq_key_pass: exit $?"
@@ -197,7 +208,7 @@ qprofile)
   gzip -f "$W/quantize.sass.csv"; rm -f "$W/quantize.ncu-rep"
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|dqkeys|dqwide|profile|gaps|order|qprofile" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile" >&2
   exit 2
   ;;
 esac

@@ -109,6 +109,29 @@ def cudnn_bf16_attention(q, k, v, *, causal=False, scale=None, segment_ids=None,
     return out.astype(q.dtype)
 
 
+# Documents per row up to which `cudnn_bf16_documents` takes cuDNN's packed sequences; a
+# batch with a row of more runs the dense mask (the built-in data holds at most 3 per row
+# at 2,048-8,192 tokens)
+PACKED_MAX_DOCUMENTS = 16
+DOCUMENT_MODES = ("mask", "packed")
+
+
+def cudnn_bf16_documents(
+    q, k, v, *, causal=False, scale=None, segment_ids, max_segments=PACKED_MAX_DOCUMENTS
+):
+    """`cudnn_bf16_attention` with self-attention segment ids [B, T] as cuDNN's packed
+    sequences when no row holds more than `max_segments` documents, else (decided at run
+    time, `lax.cond`) as the dense mask."""
+    ids = jnp.asarray(segment_ids, jnp.int32)
+    most = jnp.max(jnp.sum(document_starts(ids), axis=1))
+    kw = dict(causal=causal, scale=scale, segment_ids=ids)
+    return jax.lax.cond(
+        most <= max_segments,
+        lambda: cudnn_bf16_attention(q, k, v, **kw, max_segments=max_segments),
+        lambda: cudnn_bf16_attention(q, k, v, **kw),
+    )
+
+
 def packed_segments(segment_ids, max_segments: int):
     """(seqlen [B, M], offsets [B, M + 1]) int32 of the documents in each row of
     `segment_ids` [B, T] (contiguous runs, `dm_jax.nn.sequence.document_starts`), in the

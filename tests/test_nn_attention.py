@@ -277,3 +277,36 @@ def test_packed_segments_give_each_documents_start_and_length():
     q = jnp.zeros((4, 8, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="self-attention segment ids"):
         baselines.cudnn_bf16_attention(q, q, q, segment_ids=(ids, ids), max_segments=4)
+
+
+def test_cudnn_documents_reach_the_cudnn_core_and_are_checked(monkeypatch):
+    """`HybridConfig(cudnn_documents="packed")` (`--cudnn-documents packed`) sends the
+    cudnn_bf16 arm's segment ids to `baselines.cudnn_bf16_documents`; "mask" and the other
+    arms never call it; a bad mode is refused where it is given."""
+    from dm_jax.models.config import HybridConfig
+    from dm_jax.nn.attention_core import attention_core
+
+    calls = []
+
+    def documents(q, k, v, **kw):
+        calls.append(kw["segment_ids"].shape)
+        return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+
+    monkeypatch.setattr(baselines, "cudnn_bf16_documents", documents)
+    q = jnp.ones((2, 8, 2, 16), jnp.bfloat16)
+    ids = jnp.array([[0] * 4 + [1] * 4] * 2)
+    from dm_jax.models.hybrid import _make_mixer
+
+    cfg = HybridConfig(attention="cudnn_bf16", cudnn_documents="packed")
+    layer = _make_mixer("attn", cfg, jnp.bfloat16, nnx.Rngs(0))
+    assert layer.cudnn_documents == "packed"
+    layer(jnp.ones((2, 8, cfg.d_model), jnp.bfloat16), segment_ids=ids)
+    assert calls == [(2, 8)]
+    with pytest.raises(RuntimeError, match="GPU"):  # the dense-mask path: cuDNN itself
+        attention_core(q, q, q, arm="cudnn_bf16", segment_ids=ids, documents="mask")
+    attention_core(q, q, q, arm="bf16", segment_ids=ids, documents="packed")  # ignored
+    assert calls == [(2, 8)]
+    with pytest.raises(ValueError, match="documents: must be one of"):
+        attention_core(q, q, q, arm="cudnn_bf16", documents="dense")
+    with pytest.raises(ValueError, match="cudnn_documents: must be one of"):
+        HybridConfig(cudnn_documents="dense")

@@ -311,3 +311,17 @@ def test_second_signal_stops_a_long_step_at_once(tmp_path):
     )
     assert "Traceback" not in err
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
+
+
+def test_cudnn_documents_flag_reaches_the_model_and_may_change_on_resume(tmp_path):
+    cfg = config_lib.parse_args(
+        ["--preset", "tiny", "--attention", "cudnn_bf16", "--run-dir", str(tmp_path)]
+    )
+    assert cfg.model.build().cudnn_documents == "mask"  # the default
+    cfg.save(str(tmp_path))
+    argv = ["--resume", "--run-dir", str(tmp_path), "--cudnn-documents", "packed"]
+    packed = config_lib.parse_args(argv)
+    assert packed.model.build().cudnn_documents == "packed"
+    config_lib.check_compatible(cfg, packed)  # how cuDNN reads documents, not the model
+    with pytest.raises(SystemExit):
+        config_lib.parse_args(["--cudnn-documents", "dense"])

@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 
 from dm_jax.arms import ARM_NAMES as ATTENTION_ARMS
 from dm_jax.backends import IMPLEMENTATIONS
+from dm_jax.baselines import DOCUMENT_MODES, PACKED_MAX_DOCUMENTS
 from dm_jax.nn.fp8 import SCALINGS
 from dm_jax.nn.recurrence import STATE_PASSES
 from dm_jax.models.config import REMAT_POLICIES
@@ -249,7 +250,13 @@ class RunConfig:
     )
     # Model overrides that change how a step is compiled, not the parameters or the math:
     # a run may be resumed with other values.
-    VOLATILE_OVERRIDES = ("scan_layers", "remat", "state_pass", "state_scan_unroll")
+    VOLATILE_OVERRIDES = (
+        "scan_layers",
+        "remat",
+        "state_pass",
+        "state_scan_unroll",
+        "cudnn_documents",
+    )
 
     def __post_init__(self):
         self.validate()
@@ -484,6 +491,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default: per_token (causal); per_tensor for comparison",
     )
     a(
+        "--cudnn-documents",
+        default=None,
+        choices=DOCUMENT_MODES,
+        help="how the cudnn_bf16 arm hands packed documents to cuDNN: mask (default: a dense "
+        "[B, 1, T, S] mask) or packed (cuDNN's packed sequences, where every row holds at "
+        f"most {PACKED_MAX_DOCUMENTS} documents; the mask otherwise)",
+    )
+    a(
         "--mixer-impl",
         default=None,
         choices=("chunked", "naive"),
@@ -655,6 +670,7 @@ FLAG_FIELDS = {
     "rope": ("model.overrides.rope",),
     "head_dim": ("model.overrides.head_dim",),
     "fp8_scaling": ("model.overrides.fp8_scaling",),
+    "cudnn_documents": ("model.overrides.cudnn_documents",),
     "mixer_impl": ("model.overrides.mixer_impl",),
     "scan_layers": ("model.overrides.scan_layers", "scan_choice"),
     "remat": ("model.overrides.remat",),
@@ -803,6 +819,7 @@ def _from_args(args) -> RunConfig:
         rope=onoff[args.rope],
         head_dim=args.head_dim,
         fp8_scaling=args.fp8_scaling,
+        cudnn_documents=args.cudnn_documents,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
         scan_layers=args.scan_layers == "on",  # "auto" starts unrolled (check_or_remat)
         remat=args.remat,

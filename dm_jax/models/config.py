@@ -14,7 +14,9 @@ the reference/bf16 arms keep both in high precision; FFNs are FP8 in every arm b
 Mixer projections (GDN, KDA, Mamba-2) stay in bf16. `fp8_scaling` sets the scale
 granularity of every FP8 linear layer (`dm_jax.nn.fp8.SCALINGS`): "per_token" (default)
 keeps the model causal and the sequences of a batch independent; "per_tensor" is the older
-rule, kept for comparison.
+rule, kept for comparison. `cudnn_documents` sets how the `cudnn_bf16` arm hands packed
+documents to cuDNN: "mask" (default: a dense [B, 1, T, S] mask, which doubles cuDNN's
+time) or "packed" (cuDNN's packed sequences; `dm_jax.baselines.cudnn_bf16_documents`).
 
 Compilation: with `scan_layers` (the default) the repeats of the layer group (the shortest
 period of `pattern`, e.g. 6 x (gdn, gdn, gdn, attn)) run as one `lax.scan`, so XLA compiles
@@ -36,6 +38,7 @@ import jax
 
 from dm_jax.arms import ARMS, FP8_ARMS, check_arm
 from dm_jax.backends import IMPLEMENTATIONS
+from dm_jax.baselines import DOCUMENT_MODES
 from dm_jax.nn.fp8 import check_scaling
 from dm_jax.nn.recurrence import check_state_pass, resolve_state_pass
 
@@ -92,6 +95,8 @@ class HybridConfig:
     attn_proj: str | None = None
     attn_core: str | None = None
     fp8_scaling: str = "per_token"  # FP8 linear layers (ffn, attn_proj)
+    # how the cudnn_bf16 arm hands packed documents to cuDNN: "mask" (dense) or "packed"
+    cudnn_documents: str = "mask"
     # compilation and memory: scan over the repeating layer group; rematerialisation policy
     scan_layers: bool = True
     remat: str = "none"
@@ -112,6 +117,10 @@ class HybridConfig:
             if val not in ("fp8", "bf16") and not (name == "attn_proj" and val is None):
                 raise ValueError(f"{name}: must be 'fp8' or 'bf16', got {val!r}")
         check_scaling(self.fp8_scaling)
+        if self.cudnn_documents not in DOCUMENT_MODES:
+            raise ValueError(
+                f"cudnn_documents: must be one of {DOCUMENT_MODES}, got {self.cudnn_documents!r}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}"

@@ -45,6 +45,7 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
         arm=cfg.attention,
         implementation=cfg.attention_implementation,
         core_precision=cfg.attn_core_precision,
+        cudnn_documents=cfg.cudnn_documents,
         proj_fp8=cfg.attn_proj_fp8,
         fp8_scaling=cfg.fp8_scaling,
         dtype=dtype,

@@ -37,9 +37,20 @@ class _AttentionBase(nnx.Module):
     """Shared tail: QK-norm, RoPE, core, probe/capture, output projection."""
 
     def _setup_common(
-        self, *, qk_dim, qk_norm, rope, rope_theta, rope_dim, arm, implementation, core_precision
+        self,
+        *,
+        qk_dim,
+        qk_norm,
+        rope,
+        rope_theta,
+        rope_dim,
+        arm,
+        implementation,
+        core_precision,
+        cudnn_documents,
     ):
         self.core_precision = check_arm(arm, core_precision)
+        self.cudnn_documents = cudnn_documents
         self.q_norm = RMSNorm(qk_dim) if qk_norm else None
         self.k_norm = RMSNorm(qk_dim) if qk_norm else None
         self.rope, self.rope_theta, self.rope_dim = rope, rope_theta, rope_dim
@@ -56,6 +67,7 @@ class _AttentionBase(nnx.Module):
             segment_ids=segment_ids,
             implementation=self.implementation,
             precision=self.core_precision,
+            documents=self.cudnn_documents,
         )
 
     def _attend(self, q, k, v, segment_ids, probe, capture):
@@ -95,6 +107,7 @@ class GQAttention(_AttentionBase):
         arm: str = "matched",
         implementation: str | None = None,
         core_precision: str | None = None,
+        cudnn_documents: str = "mask",
         proj_fp8: bool = False,
         fp8_scaling: str = "per_token",
         dtype=jnp.bfloat16,
@@ -121,6 +134,7 @@ class GQAttention(_AttentionBase):
             arm=arm,
             implementation=implementation,
             core_precision=core_precision,
+            cudnn_documents=cudnn_documents,
         )
         self.H, self.Hkv, self.D = H, Hkv, D
 
@@ -151,6 +165,7 @@ class MLAttention(_AttentionBase):
         arm: str = "matched",
         implementation: str | None = None,
         core_precision: str | None = None,
+        cudnn_documents: str = "mask",
         proj_fp8: bool = False,
         fp8_scaling: str = "per_token",
         dtype=jnp.bfloat16,
@@ -179,6 +194,7 @@ class MLAttention(_AttentionBase):
             arm=arm,
             implementation=implementation,
             core_precision=core_precision,
+            cudnn_documents=cudnn_documents,
         )
         self.H, self.nope_dim, self.v_dim, self.kv_lora_rank = H, nope_dim, v_dim, kv_lora_rank
 

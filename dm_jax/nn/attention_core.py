@@ -15,13 +15,14 @@ from dm_jax.attention_op import attention
 _CUDNN = {"fp8": "cudnn_fp8_attention", "bf16": "cudnn_bf16_attention"}  # precision -> baseline
 
 
-def _xla(q, k, v, *, arm, causal, scale, segment_ids, implementation, precision):
-    del arm, implementation, precision
+def _xla(q, k, v, *, arm, causal, scale, segment_ids, implementation, precision, documents):
+    del arm, implementation, precision, documents
     out = reference.mha_reference(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
     return out.astype(q.dtype)
 
 
-def _dm_jax(q, k, v, *, arm, causal, scale, segment_ids, implementation, precision):
+def _dm_jax(q, k, v, *, arm, causal, scale, segment_ids, implementation, precision, documents):
+    del documents
     return attention(
         q,
         k,
@@ -35,8 +36,13 @@ def _dm_jax(q, k, v, *, arm, causal, scale, segment_ids, implementation, precisi
     )
 
 
-def _cudnn(q, k, v, *, arm, causal, scale, segment_ids, implementation, precision):
+def _cudnn(q, k, v, *, arm, causal, scale, segment_ids, implementation, precision, documents):
     del arm, implementation
+    packed = documents == "packed" and precision == "bf16"
+    if packed and segment_ids is not None and not isinstance(segment_ids, (tuple, list)):
+        return baselines.cudnn_bf16_documents(
+            q, k, v, causal=causal, scale=scale, segment_ids=segment_ids
+        )
     run = getattr(baselines, _CUDNN[precision])
     return run(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
@@ -55,9 +61,16 @@ def attention_core(
     segment_ids=None,
     implementation=None,
     precision: str | None = None,
+    documents: str = "mask",
 ) -> jax.Array:
-    """Runs the attention core of arm `arm` (`dm_jax.arms.ARMS`); returns o_BTHV in q's dtype."""
+    """Runs the attention core of arm `arm` (`dm_jax.arms.ARMS`); returns o_BTHV in q's dtype.
+
+    `documents`: how the cuDNN BF16 core takes segment ids (`baselines.DOCUMENT_MODES`):
+    "mask" (a dense [B, 1, T, S] mask) or "packed" (cuDNN's packed sequences,
+    `baselines.cudnn_bf16_documents`); the other cores ignore it."""
     precision = check_arm(arm, precision)
+    if documents not in baselines.DOCUMENT_MODES:
+        raise ValueError(f"documents: must be one of {baselines.DOCUMENT_MODES}, got {documents!r}")
     spec = ARMS[arm]
     return _CORES[spec.core](
         q_BTHD,
@@ -69,6 +82,7 @@ def attention_core(
         segment_ids=segment_ids,
         implementation=implementation,
         precision=precision,
+        documents=documents,
     )
 
 
