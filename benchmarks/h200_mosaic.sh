@@ -32,8 +32,10 @@
 #                                          # (bitwise check + times) at the main, d256 and
 #                                          # the training presets' attention shapes; then
 #                                          # fwd+bwd of the causal main and d256 shapes
-#   bash benchmarks/h200_mosaic.sh docs    # packed documents: the 569m layer at 8 x 4096 with
-#                                          # and without segment ids, Mosaic FP8 matched against
+#   bash benchmarks/h200_mosaic.sh docs    # packed documents: document tiles bit for bit
+#                                          # against every tile masked; the 569m layer at
+#                                          # 8 x 4096 with and without segment ids, Mosaic FP8
+#                                          # matched (with and without document tiles) against
 #                                          # cuDNN BF16 through a dense mask and its packed
 #                                          # sequences (docs/training.md, "Pairs 6 and 7")
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
@@ -125,9 +127,14 @@ headline)
   grep "^| [a-z0-9_]* | [a-z]" "$W/attention_causal.log"
   ;;
 docs)
-  timeout 400 python3 benchmarks/attention.py --shapes h569m_t4096_docs,h569m_t4096 --causal 1 \
-    --budget 360 --iters 5 --reps 3 --arms mosaic_fp8_matched,cudnn_bf16_packed,cudnn_bf16 \
-    --tag _docs --out "$W" > "$W/attention.log" 2>&1
+  # MosaicConfig(document_tiles=True) against the default, bit for bit (max abs diff 0)
+  timeout 200 python3 benchmarks/document_tiles.py --out "$W" > "$W/document_tiles.log" 2>&1
+  echo "document_tiles: exit $?"
+  grep "^|" "$W/document_tiles.log"
+  timeout 330 python3 benchmarks/attention.py --shapes h569m_t4096_docs,h569m_t4096 --causal 1 \
+    --budget 300 --iters 5 --reps 3 --tag _docs --out "$W" \
+    --arms mosaic_fp8_matched,mosaic_fp8_matched_document_tiles,cudnn_bf16_packed,cudnn_bf16 \
+    > "$W/attention.log" 2>&1
   echo "attention: exit $?"
   grep "^| [a-z0-9_]* | [a-z]" "$W/attention.log"
   ;;

@@ -325,3 +325,14 @@ def test_memory_calibration_reads_a_run(tmp_path, capsys):
     (row,) = json.load(open(tmp_path / "memory_calibration.json"))
     assert row["preset"] == "gdn_gqa-tiny" and row["peak_gb"] == 2.0
     assert row["ratio"] == row["estimate_gb"] / 2.0 and "| run |" in capsys.readouterr().out
+
+
+def test_document_tiles_script_shapes_are_packed_self_attention():
+    """benchmarks/document_tiles.py (GPU only: Pallas' GPU interpreter does not finish
+    kernels with segment ids on two cores) compares shapes with documents and T = S."""
+    from benchmarks import document_tiles
+
+    for case in document_tiles.SHAPES.values():
+        assert case.segment_len and case.t == case.s and case.segment_len < case.t
+        q_ids, kv_ids = case.segment_ids()
+        assert bool(jnp.array_equal(q_ids, kv_ids))

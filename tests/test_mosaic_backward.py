@@ -103,6 +103,41 @@ PER_GRADIENT_LOWER_CASES = [  # as LOWER_CASES: head dims over 128
 ]
 
 
+DOCUMENT_LOWER_CASES = [  # as LOWER_CASES, with segment ids (self-attention, T = S)
+    (2, 256, 256, 4, 2, 128, True, True, "matched", 128),
+    (1, 384, 384, 2, 2, 64, False, True, "stale", 64),
+    (1, 256, 256, 2, 1, 256, True, True, "matched", 128),
+]
+
+
+@NEEDS_011
+@pytest.mark.parametrize("case", DOCUMENT_LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_document_tiles_lower_for_cuda(case):
+    """``document_tiles``: the forward, the query passes and the key pass read their
+    bounds rows ([B, T / 64, 4] int32 each) and lower with their three loops. (Pallas' GPU
+    interpreter does not finish kernels with segment ids on two cores, so the bounds are
+    checked against the mask in tests/test_mosaic_documents.py and the kernels on the GPU:
+    `bash benchmarks/h200_mosaic.sh docs`.)"""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    b, t = case[:2]
+    bounds = f"tensor<{b}x{t // 64}x4xi32>"
+    assert bounds not in _export_backward(case)  # off by default
+    text = _export_backward(case, document_tiles=True)
+    assert bounds in text
+    hq, hkv, d, causal = case[3], case[4], case[5], case[6]
+    sds = jax.ShapeDtypeStruct
+    cfg = config.MosaicConfig(fused_quantize=False, document_tiles=True)
+    qkv = [sds((b, t, hq, d), jnp.bfloat16)] + [sds((b, t, hkv, d), jnp.bfloat16)] * 2
+    ids = [sds((b, t), jnp.int32)] * 2
+
+    def fn(q, k, v, q_ids, kv_ids):
+        return ops.forward(q, k, v, q_ids, kv_ids, spec=_spec(causal, "matched", d), config=cfg)
+
+    forward_text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*qkv, *ids).mlir_module()
+    assert bounds in forward_text and "dm_fp8_attention_forward_mosaic" in forward_text
+
+
 @NEEDS_011
 def test_longest_first_order_lowers_for_cuda():
     """``causal_order="longest_first"``: the forward and the backward passes of a causal

@@ -315,6 +315,14 @@ def _reduce_dq(part, stage, dq_tile, interpret: bool):
     plgpu.copy_smem_to_gmem(stage, dq_tile, reduction_op=None if interpret else "add")
 
 
+def _three_loops(step, bounds, carry):
+    """``step`` over [b0, b1) masked, [b1, b2) unmasked, [b2, b3) masked (``bounds``: the
+    document tiles of :mod:`.documents` inside a loop's range)."""
+    for lo, hi, masked in zip(bounds, bounds[1:], (True, False, True)):
+        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+    return carry
+
+
 def _stream(load, free, steps, stages: int):
     """The producer's loop: ``load(n, slot)`` for every step into a ring of ``stages``
     slots, each reused once the consumers release it (``free``); then it waits for the
@@ -369,6 +377,7 @@ def query_pass(
     pingpong: bool = False,
     dq_cols=None,
     longest_first: bool = False,
+    doc_tiles=None,
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -388,6 +397,9 @@ def query_pass(
         contract the whole head dims.
       longest_first: causal only: the query tiles that see the most keys launch first
         (:func:`.forward.query_tile`).
+      doc_tiles: [B, Tp / 64, 4] int32 (segments only; :func:`.documents.query_tiles` with
+        ``key_tile``): per 64 query rows, the key tiles [first, stop) wholly inside the
+        rows' document; they take the unmasked path (the same results).
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, count] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -417,6 +429,7 @@ def query_pass(
         kv_aux = kv_aux.reshape(b, hkv, n64 // 2, 2, 3, TILE).swapaxes(3, 4)
         kv_aux = kv_aux.reshape(b, hkv, n64 // 2, 3, key_tile)
     every_tile = mask.segments or _padded(mask, tp, sp)
+    documents = mask.segments and doc_tiles is not None
     c = sm_scale * LOG2E
     to_operand = regroup.operand_fn(interpret)
 
@@ -424,11 +437,12 @@ def query_pass(
         rest = list(rest)
         kt_ref = rest.pop(0) if want_dq else None
         qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
+        tiles_ref = rest.pop(0) if documents else None
         out_ref, stats_ref, scratch = rest if with_stats else (rest[0], None, rest[1])
         smem, bars = scratch
         q_smem2, do_smem2, rows_smem2, qseg_smem2, out_smem2, a_smem2, stats_smem2 = smem[:7]
-        red_smem2 = smem[7]
-        k_smem, v_smem, kt_smem, kvinv_smem, kseg_smem = smem[8:]
+        red_smem2, tiles_smem2 = smem[7:9]
+        k_smem, v_smem, kt_smem, kvinv_smem, kseg_smem = smem[9:]
         q_bars, k_bars, v_bars, kt_bars, aux_bars, seg_bars, free, schedule = bars
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
         q_tile = query_tile(tp // CTA_TOKENS, mask.causal and longest_first)
@@ -454,6 +468,8 @@ def query_pass(
             ]
             if mask.segments:
                 copies.append((qseg_ref.at[batch, q_rows_], qseg_smem2.at[wg]))
+            if documents:  # the key tiles wholly inside these rows' document
+                copies.append((tiles_ref.at[batch, tile], tiles_smem2.at[wg]))
             for n, (src, dst) in enumerate(copies):
                 plgpu.copy_gmem_to_smem(src, dst, q_bars.at[n * WARPGROUPS + wg])
             for n in range(len(copies)):
@@ -519,8 +535,12 @@ def query_pass(
             else:
                 init = row_zeros
             turns.start()
-            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
-            carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            if documents:  # masked, unmasked (inside the document), masked
+                bounds = (0, tiles_smem2.at[wg][0], tiles_smem2.at[wg][1], steps)
+                carry = _three_loops(step, bounds, init)
+            else:
+                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
+                carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
             @pl.loop(steps, cta_steps)  # tiles only the other warpgroup reads: release them
             def _(j):
@@ -587,6 +607,7 @@ def query_pass(
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret and want_dq else None,
             plgpu.SMEM((WARPGROUPS, 4, TILE), F32) if with_stats else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
+            plgpu.SMEM((WARPGROUPS, 4), jnp.int32) if documents else None,
             plgpu.SMEM((stages, key_tile, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((stages, key_tile, dv), fp8, transforms=fp8_transforms(dv)),
             plgpu.SMEM((stages, cq, TILE), fp8, transforms=fp8_transforms(TILE))
@@ -597,7 +618,7 @@ def query_pass(
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            plgpu.Barrier(num_barriers=4 * WARPGROUPS),  # Q, dO, row data, segments
+            plgpu.Barrier(num_barriers=5 * WARPGROUPS),  # Q, dO, row data, segments, doc tiles
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V
             plgpu.Barrier(num_barriers=stages),  # K^T
@@ -613,6 +634,8 @@ def query_pass(
         args.append(kt8)
     if mask.segments:
         args += [q_seg, kv_seg]
+    if documents:
+        args.append(doc_tiles)
     out_type = [jax.ShapeDtypeStruct(out_shape, out_dtype)]
     out_type += [jax.ShapeDtypeStruct((b, hq, 4, tp), F32)] * with_stats
     grid, grid_names = (hq, tp // CTA_TOKENS, b), ("heads", "q_seq", "batch")
@@ -644,6 +667,7 @@ def key_pass(
     dv_cols=None,
     kt8=None,
     unrolled_heads: int = MAX_UNROLLED_HEADS,
+    doc_tiles=None,
 ):
     """dK and dV, summed over each kv head's query heads; with ``kt8`` also dQ's columns
     ``dk_cols``, added into an f32 dQ tile by tile (:func:`_reduce_dq`).
@@ -671,6 +695,9 @@ def key_pass(
         over query tiles follow one another in the kernel's code; more run inside a loop
         over the heads, which carries the dK and dV accumulators around the inner loops and
         makes ptxas spill (bitwise the same results; docs/mosaic_gpu.md, "The GQA key pass").
+      doc_tiles: [B, Sp / 64, 4] int32 (segments only; :func:`.documents.key_tiles`): per
+        64 keys, the query tiles [first, stop) wholly inside the keys' document (and,
+        causal, after them); each head's steps over them take the unmasked path.
     Returns:
       dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
       layout), None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
@@ -691,6 +718,7 @@ def key_pass(
     group = hq // hkv
     n_q = tp // TILE
     every_tile = mask.segments or _padded(mask, tp, sp)
+    documents = mask.segments and doc_tiles is not None
     c = sm_scale * LOG2E
     to_operand = regroup.operand_fn(interpret)
 
@@ -698,6 +726,7 @@ def key_pass(
         rest = list(rest)
         kt_ref = rest.pop(0) if want_dq else None
         qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
+        tiles_ref = rest.pop(0) if documents else None
         dq_ref = rest.pop(0) if want_dq else None  # f32 dQ, zeros before the pass
         dk_ref = rest.pop(0) if want_dk else None
         dv_ref = rest.pop(0) if want_dv else None
@@ -707,8 +736,8 @@ def key_pass(
         # the dK/dV output tiles, written after the loop, share their memory with the
         # dQ tiles' staging, used only inside it
         (dk_smem2, dv_smem2), dq_stage2 = outs if want_dq else (outs, None)
-        red_smem2 = smem[6]
-        q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem, kt_smem2, ds_t_smem2 = smem[7:]
+        red_smem2, tiles_smem2 = smem[6:8]
+        q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem, kt_smem2, ds_t_smem2 = smem[8:]
         kv_bars, q_bars, qt_bars, do_bars, dot_bars, rows_bars, seg_bars, free = bars[:8]
         schedule, dq_done = bars[8:]
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -738,6 +767,8 @@ def key_pass(
                 copies.append((kvseg_ref.at[batch, keys], kseg_smem2.at[wg]))
             if want_dq:
                 copies.append((kt_ref.at[batch, kv_head, pl.ds(dk0, ck), keys], kt_smem2.at[wg]))
+            if documents:  # the query tiles wholly inside these keys' document
+                copies.append((tiles_ref.at[batch, key0 // TILE], tiles_smem2.at[wg]))
             for n, (src, dst) in enumerate(copies):
                 plgpu.copy_gmem_to_smem(src, dst, kv_bars.at[n * WARPGROUPS + wg])
             for n in range(len(copies)):
@@ -811,10 +842,17 @@ def key_pass(
                     _reduce_dq(part, dq_stage2.at[wg], dq_tile.at[rows_, head], interpret)
                 return dk, dv_acc
 
+            if documents:  # this head's steps over the document tiles, from `first`
+                doc_lo = jnp.clip(tiles_smem2.at[wg][0] - first, 0, per_head)
+                doc_hi = jnp.clip(tiles_smem2.at[wg][1] - first, doc_lo, per_head)
+
             def head_steps(g, carry):
                 # causal (no padding, no segments): the first two query tiles of each head
                 # cross the diagonal of this CTA's keys; every later one sees all of them
                 lo = g * per_head
+                if documents:  # masked, unmasked (inside the document), masked
+                    bounds = (lo, lo + doc_lo, lo + doc_hi, lo + per_head)
+                    return _three_loops(step, bounds, carry)
                 if every_tile:
                     mid = lo + per_head
                 elif mask.causal:
@@ -895,6 +933,7 @@ def key_pass(
             outs,
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
+            plgpu.SMEM((WARPGROUPS, 4), jnp.int32) if documents else None,
             plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((stages, ck, TILE), fp8, transforms=fp8_transforms(TILE))
             if want_dk
@@ -915,7 +954,8 @@ def key_pass(
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            plgpu.Barrier(num_barriers=5 * WARPGROUPS),  # K, V, factors and poison, segments, K^T
+            # K, V, factors and poison, segments, K^T, document tiles
+            plgpu.Barrier(num_barriers=6 * WARPGROUPS),
             plgpu.Barrier(num_barriers=stages),  # Q
             plgpu.Barrier(num_barriers=stages),  # Q^T
             plgpu.Barrier(num_barriers=stages),  # dO
@@ -932,6 +972,8 @@ def key_pass(
     args += [kt8] if want_dq else []
     if segs:
         args += [q_seg, kv_seg]
+    if documents:
+        args.append(doc_tiles)
     if want_dq:  # zeros, added into; in the interpreter one partial dQ per warpgroup's keys
         blocks = sp // TILE if interpret else 1
         dq = jax.new_ref(jnp.zeros((blocks, b, tp, hq, ck), F32))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, BackwardResult
 from pallas_kernels.fp8_attention.mosaic_gpu import backward as kernels
-from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
+from pallas_kernels.fp8_attention.mosaic_gpu import documents, quantize_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu.forward import ForwardMask, kernel_dtype
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import (
     BLOCK,
@@ -77,6 +77,9 @@ class Operands(NamedTuple):
     # causal query passes: the query tiles that see the most keys launch first (the key
     # pass's grid order already starts with the key blocks that see the most queries)
     longest_first: bool = False
+    # with segment ids and MosaicConfig.document_tiles: {loop: bounds rows} of the tiles
+    # wholly inside a document (.documents): "delta" and "dq" (query passes), "keys"
+    doc_tiles: Optional[dict] = None
 
 
 def operands(
@@ -98,6 +101,7 @@ def operands(
     dq_in_key_pass=False,
     wide_launches="per_gradient",
     longest_first=False,
+    document_tiles=False,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
@@ -112,6 +116,13 @@ def operands(
     q_poison = numerics.poison(q8.nonfinite | do8.nonfinite | jnp.isnan(lse))
     lse2 = jnp.where(jnp.isnan(lse), 0.0, lse * kernels.LOG2E)
     mask = ForwardMask(t=q.shape[1], s=k.shape[1], causal=spec.causal, segments=bool(segments))
+    doc_tiles = None
+    if segments and document_tiles:
+        doc_tiles = dict(
+            delta=documents.query_tiles(*segments, mask, delta_key_tile),
+            dq=documents.query_tiles(*segments, mask, kernels.TILE),
+            keys=documents.key_tiles(*segments, mask),
+        )
     kwargs = dict(
         mask=mask, sm_scale=spec.sm_scale, stages=stages, interpret=interpret, pingpong=pingpong
     )
@@ -135,6 +146,7 @@ def operands(
         dq_in_key_pass,
         wide_launches,
         longest_first,
+        doc_tiles,
     )
 
 
@@ -152,6 +164,7 @@ def query_rows(ops: Operands, delta_p):
 
 def _query_pass(ops: Operands, rows, **kwargs):
     kt = ops.k8.values_t if kwargs["want"] == "dq" else None
+    tiles = None if ops.doc_tiles is None else ops.doc_tiles[kwargs["want"]]
     q8, do8, k8, v8 = ops.q8.values, ops.do8.values, ops.k8.values, ops.v8.values
     return kernels.query_pass(
         q8,
@@ -163,6 +176,7 @@ def _query_pass(ops: Operands, rows, **kwargs):
         kt,
         *ops.segments,
         longest_first=ops.longest_first,
+        doc_tiles=tiles,
         **kwargs,
         **ops.kwargs,
     )
@@ -228,6 +242,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
                 dk_cols=dk_cols,
                 dv_cols=dv_cols,
                 kt8=ops.k8.values_t if dq_from_keys else None,
+                doc_tiles=None if ops.doc_tiles is None else ops.doc_tiles["keys"],
                 **ops.kwargs,
             )
             dk_parts += [parts[0]] if parts[0] is not None else []

@@ -68,7 +68,15 @@ class MosaicConfig:
     ``"grid"``: the grid's own order (the tiles that see the fewest keys first). The results
     are bitwise the same; on the H200 longest-first took the causal forward 5-14% and the
     query passes 6-9% faster (docs/mosaic_gpu.md, "Causal launch order"). Pallas' GPU
-    interpreter (``mosaic_interpret``) always runs the grid's order."""
+    interpreter (``mosaic_interpret``) always runs the grid's order.
+    ``document_tiles``: with segment ids, the tiles that lie wholly inside the document of
+    their query rows (and, causal, below the diagonal) take the unmasked path
+    (:mod:`.documents`; self-attention ids only), instead of every tile the masked one. The
+    results are bitwise the same. The forward, both query passes and the key pass read
+    their bounds from small int32 arrays. Off until run on the H200 (with segment ids the
+    forward and backward took 4.12 ms where about 2.7 ms are expected without:
+    docs/mosaic_gpu.md, "Packed documents"; `bash benchmarks/h200_mosaic.sh docs` checks
+    it bit for bit and times it)."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -78,6 +86,7 @@ class MosaicConfig:
     delta_key_tile: int = 128
     backward_pingpong: bool = False
     backward_wide_heads: bool = True
+    document_tiles: bool = False
     quantize_warps: int = quantize_kernel.WARPS
     backward_dq: str = "pass"
     backward_wide_launches: str = "per_gradient"

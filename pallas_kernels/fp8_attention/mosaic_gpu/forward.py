@@ -101,7 +101,7 @@ def smem_bytes(stages: int, dqk: int, dv: int, out_dtype, out_cols=None) -> int:
     """Shared memory of one CTA: Q and O tiles per consumer warpgroup (O ``out_cols`` wide,
     default ``dv``), K / V^T stages."""
     out_cols = dv if out_cols is None else out_cols
-    per_wg = ROWS * (dqk + out_cols * jnp.dtype(out_dtype).itemsize + 12)
+    per_wg = ROWS * (dqk + out_cols * jnp.dtype(out_dtype).itemsize + 12) + 16  # + doc tiles
     per_stage = BLOCK * (dqk + dv) + 2 * ROWS * 4 + 2 * BLOCK * 4  # + the aux row
     return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
 
@@ -143,6 +143,7 @@ def forward(
     interpret: bool = False,
     out_cols=None,
     longest_first: bool = False,
+    doc_tiles=None,
 ):
     """Run the forward kernel on quantized, padded operands.
 
@@ -157,6 +158,9 @@ def forward(
         default :func:`stages_and_out_cols`'s choice.
       longest_first: causal only: the query tiles that see the most keys launch first
         (:func:`query_tile`).
+      doc_tiles: [B, Tp / 64, 4] int32 (segments only; :func:`.documents.query_tiles`
+        with 128-key tiles): per 64 query rows, the key tiles [first, stop) that lie wholly
+        inside the rows' document; they take the unmasked path (the same results).
     Returns:
       o [B, Tp, Hq, Dv] in ``out_dtype`` (the public layout: no transpose after the kernel),
       lse [B, Hq, Tp] f32 (natural log).
@@ -176,11 +180,13 @@ def forward(
 
     to_operand = regroup.operand_fn(interpret)
 
+    documents = mask.segments and doc_tiles is not None
+
     def kernel(q_ref, qinv_ref, k_ref, vt_ref, kvinv_ref, *rest):
-        if mask.segments:
-            qseg_ref, kvseg_ref, o_ref, lse_ref, scratch = rest
-        else:
-            (o_ref, lse_ref, scratch), qseg_ref, kvseg_ref = rest, None, None
+        rest = list(rest)
+        qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
+        tiles_ref = rest.pop(0) if documents else None
+        o_ref, lse_ref, scratch = rest
         smem, barriers = scratch
         (
             q_smem2,
@@ -193,6 +199,7 @@ def forward(
             kvinv_smem,
             kseg_smem,
             p_smem2,
+            tiles_smem2,
         ) = smem
         q_bars, k_bars, v_bars, aux_bars, k_free, v_free, schedule = barriers
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -224,6 +231,13 @@ def forward(
                 )
                 plgpu.barrier_wait(q_bars.at[2 * WARPGROUPS + wg])
                 q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            if documents:  # the key tiles wholly inside these rows' document
+                tiles = tiles_smem2.at[wg]
+                plgpu.copy_gmem_to_smem(
+                    tiles_ref.at[batch, row0 // ROWS], tiles, q_bars.at[3 * WARPGROUPS + wg]
+                )
+                plgpu.barrier_wait(q_bars.at[3 * WARPGROUPS + wg])
+                unmasked_lo, unmasked_hi = tiles[0], tiles[1]
             plgpu.barrier_wait(q_bars.at[WARPGROUPS + wg])
             row_scale = plgpu.load(qinv_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1)) * c
             plgpu.barrier_wait(q_bars.at[wg])
@@ -333,8 +347,16 @@ def forward(
                 return acc, m_new, l, inv_v
 
             carry = (acc, m, l, jnp.ones_like(l))
-            carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
-            acc, m, l, u = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
+            if documents:  # masked, unmasked (inside the document), masked
+                bounds = (0, unmasked_lo, unmasked_hi, steps)
+                for lo, hi, masked in zip(bounds, bounds[1:], (True, False, True)):
+                    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+                acc, m, l, u = carry
+            else:
+                carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
+                acc, m, l, u = lax.fori_loop(
+                    full, steps, functools.partial(step, masked=True), carry
+                )
 
             def drain(j, _):  # tiles this warpgroup skips (causal): release them
                 slot = lax.rem(j, stages)
@@ -426,9 +448,11 @@ def forward(
             kseg,
             # P^ in shared memory: interpret mode only (its wgmma takes A from a ref)
             plgpu.SMEM((WARPGROUPS, ROWS, BLOCK), jnp.float8_e4m3fn) if interpret else None,
+            plgpu.SMEM((WARPGROUPS, 4), jnp.int32) if documents else None,
         )
         barriers = (
-            plgpu.Barrier(num_barriers=3 * WARPGROUPS),  # Q, its decode factors, its segments
+            # Q, its decode factors, its segments, its document tiles
+            plgpu.Barrier(num_barriers=4 * WARPGROUPS),
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V^T
             # K's and V's decode factors with the keys' poison [stages], then the key segment
@@ -444,6 +468,8 @@ def forward(
     args = [q8, q_inv, k8, vt8, kv_aux]
     if mask.segments:
         args += [q_seg, kv_seg]
+    if documents:
+        args.append(doc_tiles)
     out_type = [
         jax.ShapeDtypeStruct((b, tp, hq, dv), out_dtype),
         jax.ShapeDtypeStruct((b, hq, tp), jnp.float32),

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, ForwardResult, Pass
-from pallas_kernels.fp8_attention.mosaic_gpu import backward_ops
+from pallas_kernels.fp8_attention.mosaic_gpu import backward_ops, documents
 from pallas_kernels.fp8_attention.mosaic_gpu import forward as fwd_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu import quantize_kernel
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig, default_config, supported
@@ -73,6 +73,9 @@ def forward(
     q_seg = pad_segment_ids(q_ids, tp, -1) if segments else None
     kv_seg = pad_segment_ids(kv_ids, sp, -2) if segments else None
     mask = fwd_kernel.ForwardMask(t=t, s=s, causal=spec.causal, segments=segments)
+    doc_tiles = None
+    if segments and config.document_tiles:
+        doc_tiles = documents.query_tiles(q_seg, kv_seg, mask, fwd_kernel.BLOCK)
     o, lse = fwd_kernel.forward(
         *_kernel_operands(q8, k8, v8),
         q_seg,
@@ -83,6 +86,7 @@ def forward(
         out_dtype=fwd_kernel.kernel_dtype(q.dtype),
         interpret=interpret,
         longest_first=_longest_first(config, interpret),
+        doc_tiles=doc_tiles,
     )
     return ForwardResult(o[:, :t].astype(q.dtype), lse[:, :, :t])
 
@@ -124,6 +128,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         dq_in_key_pass=config.backward_dq == "key_pass",
         wide_launches=config.backward_wide_launches,
         longest_first=_longest_first(config, interpret),
+        document_tiles=config.document_tiles,
     )
 
 
