@@ -499,10 +499,11 @@ def query_pass(
                 # the rows' poison (0 or NaN) joins their factor: one op per score less
                 s2 = s * _rows((c * inv_q) * inv_k + q_poison, s.shape)
                 s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
+                if mask.segments:  # every step (document tiles' unmasked ones too) waits for
+                    plgpu.barrier_wait(seg_bars.at[slot])  # its ids: barrier phases stay paired
                 if masked:
                     k_seg = None
                     if mask.segments:
-                        plgpu.barrier_wait(seg_bars.at[slot])
                         k_seg = plgpu.load(kseg_smem.at[slot], (), layout=COL)
                     s2 = _masked(mask, s2, row0, j * key_tile, False, q_seg, k_seg)
                 p = jnp.exp2(s2 - _rows(lse2, s2.shape))
@@ -794,10 +795,11 @@ def key_pass(
                 # the same product, NaN where either poison is
                 s2 = st * _rows((c * inv_q) * inv_k + k_poison, st.shape)
                 s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
+                if mask.segments:  # every step (document tiles' unmasked ones too) waits for
+                    plgpu.barrier_wait(seg_bars.at[slot])  # its ids: barrier phases stay paired
                 if masked:
                     q_seg = None
                     if mask.segments:
-                        plgpu.barrier_wait(seg_bars.at[slot])
                         q_seg = plgpu.load(qseg_smem.at[slot], (), layout=COL)
                     s2 = _masked(mask, s2, i * TILE, key0, True, q_seg, k_seg)
                 pt = jnp.exp2(s2 - lax.broadcast_in_dim(lse2, s2.shape, [1]))

@@ -283,8 +283,11 @@ def forward(
                 k_poison = plgpu.load(
                     aux.at[pl.ds(2 * ROWS, BLOCK)], (), layout=plgpu.Layout.WGMMA.reduce(0)
                 )
-                if masked and mask.segments:  # (with segments every tile is masked)
+                if mask.segments:  # every step waits for its slot's ids: the barrier
+                    # phases stay paired with the producer's loads (document tiles' unmasked
+                    # steps read no ids)
                     plgpu.barrier_wait(aux_bars.at[stages + slot])
+                if masked and mask.segments:
                     k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * lax.broadcast_in_dim(row_scale * inv_k, s.shape, [0])
