@@ -48,6 +48,7 @@ from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
     SMEM_BYTES,
     WARPGROUPS,
     ForwardMask,
+    document_loops,
     fitting,
     fp8_transforms,
     out_transforms,
@@ -315,14 +316,6 @@ def _reduce_dq(part, stage, dq_tile, interpret: bool):
     plgpu.copy_smem_to_gmem(stage, dq_tile, reduction_op=None if interpret else "add")
 
 
-def _three_loops(step, bounds, carry):
-    """``step`` over [b0, b1) masked, [b1, b2) unmasked, [b2, b3) masked (``bounds``: the
-    document tiles of :mod:`.documents` inside a loop's range)."""
-    for lo, hi, masked in zip(bounds, bounds[1:], (True, False, True)):
-        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
-    return carry
-
-
 def _stream(load, free, steps, stages: int):
     """The producer's loop: ``load(n, slot)`` for every step into a ring of ``stages``
     slots, each reused once the consumers release it (``free``); then it waits for the
@@ -538,7 +531,7 @@ def query_pass(
             turns.start()
             if documents:  # masked, unmasked (inside the document), masked
                 bounds = (0, tiles_smem2.at[wg][0], tiles_smem2.at[wg][1], steps)
-                carry = _three_loops(step, bounds, init)
+                carry = document_loops(step, bounds, init)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
                 carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
@@ -854,7 +847,7 @@ def key_pass(
                 lo = g * per_head
                 if documents:  # masked, unmasked (inside the document), masked
                     bounds = (lo, lo + doc_lo, lo + doc_hi, lo + per_head)
-                    return _three_loops(step, bounds, carry)
+                    return document_loops(step, bounds, carry)
                 if every_tile:
                     mid = lo + per_head
                 elif mask.causal:

@@ -41,8 +41,8 @@ def spans(q_seg, kv_seg, t: int, s: int):
     first = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)
     nxt = jnp.concatenate([starts[:, 1:], jnp.ones((b, 1), bool)], axis=1)  # run ends at r
     end = jax.lax.cummin(jnp.where(nxt, pos + 1, tp), axis=1, reverse=True)
-    same_array = t == s and bool(tp == kv_seg.shape[1])
-    if same_array:
+    same_array = False
+    if t == s and tp == kv_seg.shape[1]:
         same_array = jnp.all(q_seg[:, :t] == kv_seg[:, :s])
     tiles = first.reshape(b, tp // TOKENS, TOKENS)
     one_document = tiles[..., 0] == tiles[..., -1]

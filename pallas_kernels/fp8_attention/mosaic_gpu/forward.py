@@ -97,6 +97,14 @@ def query_tile(n_tiles: int, longest_first: bool):
     return n_tiles - 1 - i if longest_first else i
 
 
+def document_loops(step, bounds, carry):
+    """``step(j, carry, masked=...)`` over [b0, b1) masked, [b1, b2) unmasked, [b2, b3)
+    masked (``bounds``: a loop's range split by its document tiles, :mod:`.documents`)."""
+    for lo, hi, masked in zip(bounds, bounds[1:], (True, False, True)):
+        carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
+    return carry
+
+
 def smem_bytes(stages: int, dqk: int, dv: int, out_dtype, out_cols=None) -> int:
     """Shared memory of one CTA: Q and O tiles per consumer warpgroup (O ``out_cols`` wide,
     default ``dv``), K / V^T stages."""
@@ -287,8 +295,10 @@ def forward(
                     # phases stay paired with the producer's loads (document tiles' unmasked
                     # steps read no ids)
                     plgpu.barrier_wait(aux_bars.at[stages + slot])
-                if masked and mask.segments:
-                    k_seg = plgpu.load(kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0))
+                    if masked:
+                        k_seg = plgpu.load(
+                            kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0)
+                        )
                 plgpu.barrier_arrive(k_free.at[slot])
                 s = s * lax.broadcast_in_dim(row_scale * inv_k, s.shape, [0])
                 s = s + lax.broadcast_in_dim(k_poison, s.shape, [1])
@@ -352,9 +362,7 @@ def forward(
             carry = (acc, m, l, jnp.ones_like(l))
             if documents:  # masked, unmasked (inside the document), masked
                 bounds = (0, unmasked_lo, unmasked_hi, steps)
-                for lo, hi, masked in zip(bounds, bounds[1:], (True, False, True)):
-                    carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
-                acc, m, l, u = carry
+                acc, m, l, u = document_loops(step, bounds, carry)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
                 acc, m, l, u = lax.fori_loop(
