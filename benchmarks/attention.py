@@ -129,14 +129,9 @@ def cudnn_bf16(q, k, v, causal, ids=None, max_segments=None):
     dqk, dv = q.shape[-1], v.shape[-1]
     if dv < dqk:
         v = jnp.pad(v, [(0, 0)] * 3 + [(0, dqk - dv)])
-    if ids is None:
-        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
-    elif max_segments:  # self-attention: the query ids
-        out = cudnn_bf16_attention(
-            q, k, v, causal=causal, segment_ids=ids[0], max_segments=max_segments
-        )
-    else:
-        out = cudnn_bf16_attention(q, k, v, causal=causal, segment_ids=ids)
+    if ids is not None and max_segments:  # packed sequences take the self-attention ids
+        ids = ids[0]
+    out = cudnn_bf16_attention(q, k, v, causal=causal, segment_ids=ids, max_segments=max_segments)
     return out[..., :dv]
 
 

@@ -116,6 +116,13 @@ PACKED_MAX_DOCUMENTS = 16
 DOCUMENT_MODES = ("mask", "packed")
 
 
+def check_documents(mode: str, name: str = "documents") -> str:
+    """`mode` if it is one of `DOCUMENT_MODES`, else ValueError naming `name`."""
+    if mode not in DOCUMENT_MODES:
+        raise ValueError(f"{name}: must be one of {DOCUMENT_MODES}, got {mode!r}")
+    return mode
+
+
 def cudnn_bf16_documents(
     q, k, v, *, causal=False, scale=None, segment_ids, max_segments=PACKED_MAX_DOCUMENTS
 ):

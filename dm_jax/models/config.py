@@ -38,7 +38,7 @@ import jax
 
 from dm_jax.arms import ARMS, FP8_ARMS, check_arm
 from dm_jax.backends import IMPLEMENTATIONS
-from dm_jax.baselines import DOCUMENT_MODES
+from dm_jax.baselines import check_documents
 from dm_jax.nn.fp8 import check_scaling
 from dm_jax.nn.recurrence import check_state_pass, resolve_state_pass
 
@@ -117,10 +117,7 @@ class HybridConfig:
             if val not in ("fp8", "bf16") and not (name == "attn_proj" and val is None):
                 raise ValueError(f"{name}: must be 'fp8' or 'bf16', got {val!r}")
         check_scaling(self.fp8_scaling)
-        if self.cudnn_documents not in DOCUMENT_MODES:
-            raise ValueError(
-                f"cudnn_documents: must be one of {DOCUMENT_MODES}, got {self.cudnn_documents!r}"
-            )
+        check_documents(self.cudnn_documents, "cudnn_documents")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: {self.num_kv_heads} must divide num_heads {self.num_heads}"

@@ -69,8 +69,7 @@ def attention_core(
     "mask" (a dense [B, 1, T, S] mask) or "packed" (cuDNN's packed sequences,
     `baselines.cudnn_bf16_documents`); the other cores ignore it."""
     precision = check_arm(arm, precision)
-    if documents not in baselines.DOCUMENT_MODES:
-        raise ValueError(f"documents: must be one of {baselines.DOCUMENT_MODES}, got {documents!r}")
+    baselines.check_documents(documents)
     spec = ARMS[arm]
     return _CORES[spec.core](
         q_BTHD,
