@@ -130,7 +130,7 @@ def op_events(events: list[dict], module: str, names: dict | None = None) -> lis
     ops = []
     for e in events:
         e = op(e)
-        if e is not None and module in str(e["args"].get("hlo_module", module)):
+        if e is not None and _in_module(e, module):
             ops.append(e)
     xla_ops = [e for e in ops if e["thread"] == "XLA Ops"]
     return _leaves(xla_ops or ops)
@@ -148,7 +148,7 @@ def stream_kernels(events: list[dict], module: str, names: dict) -> list[dict]:
     out = []
     for e in events:
         args = e.get("args", {})
-        if not _on_stream(e) or module not in str(args.get("hlo_module", module)):
+        if not (_on_stream(e) and _in_module(e, module)):
             continue
         op = args.get("hlo_op") or launched.get(str(args.get("correlation_id")))
         op = op or by_kernel_name.get(e.get("name", "")) or e.get("name", "")
@@ -178,6 +178,12 @@ def _launches(events: list[dict]) -> dict:
     return launched
 
 
+def _in_module(event: dict, module: str) -> bool:
+    """Whether the event ran in an HLO module whose name contains `module` (an event that
+    names no module counts)."""
+    return module in str(event.get("args", {}).get("hlo_module", module))
+
+
 def _on_stream(event: dict) -> bool:
     """A kernel or copy on one of the GPU's streams (timelines named "Stream #N...")."""
     return event["thread"].startswith("Stream")
@@ -190,7 +196,7 @@ def stream_busy(events: list[dict], module: str) -> float | None:
     spans = sorted(
         (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
         for e in events
-        if _on_stream(e) and module in str(e.get("args", {}).get("hlo_module", module))
+        if _on_stream(e) and _in_module(e, module)
     )
     if not spans:
         return None
@@ -266,8 +272,7 @@ def summarize(
         counter["host"] = host_s
         if unattributed:
             counter["unattributed"] = unattributed
-    op_s_total = op_s + unattributed
-    total = max(op_s_total + host_s, 1e-30)
+    total = max(op_s + unattributed + host_s, 1e-30)
     out = {
         name: {k: [v, v / total] for k, v in counter.most_common()}
         for name, counter in tables.items()
