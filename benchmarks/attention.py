@@ -94,9 +94,10 @@ def arms(case: Case, implementation="pallas"):
         out[f"mosaic_fp8_{delta}_grid_order"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(causal_order="grid")
         )
-        # segment ids: the tiles wholly inside a document take the unmasked path (opt-in)
-        out[f"mosaic_fp8_{delta}_document_tiles"] = ours(
-            delta, "fp8", backend="mosaic", config=MosaicConfig(document_tiles=True)
+        # segment ids: every tile visited, and masked (the default until 2026-12-02: since
+        # then only the tiles a CTA's documents reach, those wholly inside one unmasked)
+        out[f"mosaic_fp8_{delta}_every_tile"] = ours(
+            delta, "fp8", backend="mosaic", config=MosaicConfig(document_tiles=False)
         )
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(

@@ -41,6 +41,7 @@ run() {  # run NAME FLAGS...: one training run; prints its summary and any slow 
   local name=$1
   shift
   local start=$SECONDS
+  rm -rf "$R/$name"  # a fresh run each time (a warm machine keeps /tmp between calls)
   timeout "${RUN_TIMEOUT:-250}" python3 -m train "$@" --run-dir "$R/$name" > "$OUT/$name.log" 2>&1
   echo "$name: exit $?, wall $((SECONDS - start)) s (start to exit)"
   tail -1 "$OUT/$name.log"

@@ -113,21 +113,22 @@ DOCUMENT_LOWER_CASES = [  # as LOWER_CASES, with segment ids (self-attention, T 
 @NEEDS_011
 @pytest.mark.parametrize("case", DOCUMENT_LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
 def test_document_tiles_lower_for_cuda(case):
-    """``document_tiles``: the forward, the query passes and the key pass read their
-    bounds rows ([B, T / 64, 4] int32 each) and lower with their three loops. (Pallas' GPU
-    interpreter does not finish kernels with segment ids on two cores, so the bounds are
-    checked against the mask in tests/test_mosaic_documents.py and the kernels on the GPU:
-    `bash benchmarks/h200_mosaic.sh docs`.)"""
+    """``document_tiles`` (the default): the forward, the query passes and the key pass
+    read their bounds rows ([B, T / 64, 32] int32 each) and lower with their CTA's range
+    and three loops; off, every tile. (Pallas' GPU interpreter does not finish kernels with
+    segment ids on two cores, so the bounds are checked against the mask in
+    tests/test_mosaic_documents.py and the kernels on the GPU, bit for bit against
+    ``document_tiles=False``: `bash benchmarks/h200_mosaic.sh docs`.)"""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t = case[:2]
-    bounds = f"tensor<{b}x{t // 64}x4xi32>"
-    assert bounds not in _export_backward(case)  # off by default
-    text = _export_backward(case, document_tiles=True)
+    bounds = f"tensor<{b}x{t // 64}x32xi32>"
+    assert bounds not in _export_backward(case, document_tiles=False)
+    text = _export_backward(case)
     assert bounds in text
     hq, hkv, d, causal = case[3], case[4], case[5], case[6]
     sds = jax.ShapeDtypeStruct
-    cfg = config.MosaicConfig(fused_quantize=False, document_tiles=True)
+    cfg = config.MosaicConfig(fused_quantize=False)
     qkv = [sds((b, t, hq, d), jnp.bfloat16)] + [sds((b, t, hkv, d), jnp.bfloat16)] * 2
     ids = [sds((b, t), jnp.int32)] * 2
 

@@ -48,10 +48,12 @@ from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
     SMEM_BYTES,
     WARPGROUPS,
     ForwardMask,
+    cta_range,
     document_loops,
     fitting,
     fp8_transforms,
     out_transforms,
+    producer_row,
     query_tile,
     warp_specialized_call,
 )
@@ -316,10 +318,11 @@ def _reduce_dq(part, stage, dq_tile, interpret: bool):
     plgpu.copy_smem_to_gmem(stage, dq_tile, reduction_op=None if interpret else "add")
 
 
-def _stream(load, free, steps, stages: int):
-    """The producer's loop: ``load(n, slot)`` for every step into a ring of ``stages``
-    slots, each reused once the consumers release it (``free``); then it waits for the
-    last releases too (Pallas' GPU interpreter checks that every phase was observed)."""
+def _stream(load, free, steps, stages: int, first=0):
+    """The producer's loop: ``load(first + n, slot)`` for steps n < ``steps`` into a ring
+    of ``stages`` slots (n's slot: n % stages), each reused once the consumers release it
+    (``free``); then it waits for the last releases too (Pallas' GPU interpreter checks
+    that every phase was observed)."""
 
     @pl.loop(0, steps)
     def _(n):
@@ -329,7 +332,7 @@ def _stream(load, free, steps, stages: int):
         def _():
             plgpu.barrier_wait(free.at[slot])
 
-        load(n, slot)
+        load(first + n, slot)
 
     @pl.loop(jnp.maximum(steps - stages, 0), steps)
     def _(n):
@@ -390,7 +393,7 @@ def query_pass(
         contract the whole head dims.
       longest_first: causal only: the query tiles that see the most keys launch first
         (:func:`.forward.query_tile`).
-      doc_tiles: [B, Tp / 64, 4] int32 (segments only; :func:`.documents.query_tiles` with
+      doc_tiles: [B, Tp / 64, 32] int32 (segments only; :func:`.documents.query_tiles` with
         ``key_tile``): per 64 query rows, the key tiles [first, stop) wholly inside the
         rows' document; they take the unmasked path (the same results).
     Returns:
@@ -475,9 +478,12 @@ def query_pass(
             # end at or before its first row (no mask)
             steps = jnp.minimum(n_k, pl.cdiv(row0 + TILE, key_tile)) if mask.causal else n_k
             full = 0 if every_tile else ((row0 + 1) // key_tile if mask.causal else n_k)
+            # this warpgroup's key tiles: [lo, steps); then it releases [steps, hi)
+            lo, hi = cta_range(tiles_smem2.at[wg] if documents else None, cta_steps)
+            steps = jnp.maximum(jnp.minimum(steps, hi), lo)
 
             def step(j, carry, masked: bool):
-                slot = lax.rem(j, stages)
+                slot = lax.rem(j - lo, stages)
                 _wait_all((k_bars, v_bars, aux_bars), slot)
                 shape = (TILE, key_tile)
                 s, dp = _dots(
@@ -530,15 +536,15 @@ def query_pass(
                 init = row_zeros
             turns.start()
             if documents:  # masked, unmasked (inside the document), masked
-                bounds = (0, tiles_smem2.at[wg][0], tiles_smem2.at[wg][1], steps)
+                bounds = (lo, tiles_smem2.at[wg][0], tiles_smem2.at[wg][1], steps)
                 carry = document_loops(step, bounds, init)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
                 carry = lax.fori_loop(full, steps, functools.partial(step, masked=True), carry)
 
-            @pl.loop(steps, cta_steps)  # tiles only the other warpgroup reads: release them
+            @pl.loop(steps, hi)  # tiles only the other warpgroup reads: release them
             def _(j):
-                slot = lax.rem(j, stages)
+                slot = lax.rem(j - lo, stages)
                 _wait_all(loaded, slot)
                 plgpu.barrier_arrive(free.at[slot])
                 turns.skip()
@@ -581,7 +587,10 @@ def query_pass(
                     copies.append((kvseg_ref.at[batch, keys], kseg_smem, seg_bars))
                 _copy_to_slot(copies, slot)
 
-            _stream(load, free, cta_steps, stages)
+            # this CTA's key tiles (with document tiles: its row's lo and hi)
+            row = producer_row(tiles_ref, batch, q_tile, tiles_smem2, q_bars.at[5 * WARPGROUPS])
+            lo, hi = cta_range(row, cta_steps)
+            _stream(load, free, hi - lo, stages, first=lo)
 
     fp8 = jnp.float8_e4m3fn
     out_shape = (b, tp, hq, cq) if want_dq else (b, hq, tp)
@@ -601,7 +610,8 @@ def query_pass(
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret and want_dq else None,
             plgpu.SMEM((WARPGROUPS, 4, TILE), F32) if with_stats else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
-            plgpu.SMEM((WARPGROUPS, 4), jnp.int32) if documents else None,
+            # document tiles: each consumer's row, and the producer's copy of the first
+            plgpu.SMEM((WARPGROUPS + 1, doc_tiles.shape[-1]), jnp.int32) if documents else None,
             plgpu.SMEM((stages, key_tile, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((stages, key_tile, dv), fp8, transforms=fp8_transforms(dv)),
             plgpu.SMEM((stages, cq, TILE), fp8, transforms=fp8_transforms(TILE))
@@ -612,7 +622,8 @@ def query_pass(
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            plgpu.Barrier(num_barriers=5 * WARPGROUPS),  # Q, dO, row data, segments, doc tiles
+            # Q, dO, row data, segments, document tiles (+ the producer's row)
+            plgpu.Barrier(num_barriers=5 * WARPGROUPS + 1),
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V
             plgpu.Barrier(num_barriers=stages),  # K^T
@@ -689,7 +700,7 @@ def key_pass(
         over query tiles follow one another in the kernel's code; more run inside a loop
         over the heads, which carries the dK and dV accumulators around the inner loops and
         makes ptxas spill (bitwise the same results; docs/mosaic_gpu.md, "The GQA key pass").
-      doc_tiles: [B, Sp / 64, 4] int32 (segments only; :func:`.documents.key_tiles`): per
+      doc_tiles: [B, Sp / 64, 32] int32 (segments only; :func:`.documents.key_tiles`): per
         64 keys, the query tiles [first, stop) wholly inside the keys' document (and,
         causal, after them); each head's steps over them take the unmasked path.
     Returns:
@@ -737,12 +748,18 @@ def key_pass(
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
         k_block, wg = lax.axis_index("k_seq"), lax.axis_index("wg")
         turns = _Schedule(schedule, wg)  # both warpgroups step through every query tile
-        # causal: the first query tile that sees a key of this CTA
-        first = k_block * WARPGROUPS if mask.causal else 0
-        per_head = jnp.maximum(n_q - first, 0)
-        total = group * per_head
 
-        def locate(n):  # flat step -> (query head, query tile)
+        def query_range(row):
+            """(first, per head): the query tiles [first, first + per head) this CTA
+            visits for each head: causal, from the first that sees one of its keys;
+            with document tiles, within its row's (lo, hi)."""
+            first = k_block * WARPGROUPS if mask.causal else 0
+            stop = n_q
+            if documents:
+                first, stop = jnp.maximum(first, row[2]), jnp.minimum(stop, row[3])
+            return first, jnp.maximum(stop - first, 0)
+
+        def locate(n, first, per_head):  # flat step -> (query head, query tile)
             g = lax.div(n, per_head)
             return kv_head * group + g, first + n - g * per_head
 
@@ -770,11 +787,12 @@ def key_pass(
             inv_k, inv_v = _row(kvinv_smem.at[wg, 0]), _row(kvinv_smem.at[wg, 1])
             k_poison = _row(kvinv_smem.at[wg, 2])
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
+            first, per_head = query_range(tiles_smem2.at[wg] if documents else None)
 
             def step(n, carry, masked: bool):
                 dk, dv_acc = carry
                 slot = lax.rem(n, stages)
-                head, i = locate(n)
+                head, i = locate(n, first, per_head)
                 _wait_all((q_bars, rows_bars) + (do_bars,) * want_dk, slot)
                 pairs = ((k_smem, q_smem.at[slot].T),)
                 if want_dk:
@@ -889,8 +907,13 @@ def key_pass(
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
+            # this CTA's query tiles (with document tiles: its row's lo and hi)
+            first, per_head = query_range(
+                producer_row(tiles_ref, batch, k_block, tiles_smem2, kv_bars.at[6 * WARPGROUPS])
+            )
+
             def load(n, slot):
-                head, i = locate(n)
+                head, i = locate(n, first, per_head)
                 rows = pl.ds(i * TILE, TILE)
                 at = (batch, head)
                 copies = [
@@ -907,7 +930,7 @@ def key_pass(
                     copies.append((qseg_ref.at[batch, rows], qseg_smem, seg_bars))
                 _copy_to_slot(copies, slot)
 
-            _stream(load, free, total, stages)
+            _stream(load, free, group * per_head, stages)
 
     fp8 = jnp.float8_e4m3fn
     segs = mask.segments
@@ -928,7 +951,8 @@ def key_pass(
             outs,
             plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
-            plgpu.SMEM((WARPGROUPS, 4), jnp.int32) if documents else None,
+            # document tiles: each consumer's row, and the producer's copy of the first
+            plgpu.SMEM((WARPGROUPS + 1, doc_tiles.shape[-1]), jnp.int32) if documents else None,
             plgpu.SMEM((stages, TILE, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((stages, ck, TILE), fp8, transforms=fp8_transforms(TILE))
             if want_dk
@@ -949,8 +973,8 @@ def key_pass(
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            # K, V, factors and poison, segments, K^T, document tiles
-            plgpu.Barrier(num_barriers=6 * WARPGROUPS),
+            # K, V, factors and poison, segments, K^T, document tiles (+ the producer's row)
+            plgpu.Barrier(num_barriers=6 * WARPGROUPS + 1),
             plgpu.Barrier(num_barriers=stages),  # Q
             plgpu.Barrier(num_barriers=stages),  # Q^T
             plgpu.Barrier(num_barriers=stages),  # dO

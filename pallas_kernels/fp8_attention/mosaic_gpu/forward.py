@@ -99,17 +99,43 @@ def query_tile(n_tiles: int, longest_first: bool):
 
 def document_loops(step, bounds, carry):
     """``step(j, carry, masked=...)`` over [b0, b1) masked, [b1, b2) unmasked, [b2, b3)
-    masked (``bounds``: a loop's range split by its document tiles, :mod:`.documents`)."""
+    masked (``bounds``: a loop's range [b0, b3) split by its document tiles [b1, b2),
+    :mod:`.documents`; b1 and b2 are clipped into the range, so every step runs once)."""
+    first, mid0, mid1, last = bounds
+    mid0 = jnp.clip(mid0, first, jnp.maximum(first, last))
+    mid1 = jnp.clip(mid1, mid0, jnp.maximum(mid0, last))
+    bounds = (first, mid0, mid1, last)
     for lo, hi, masked in zip(bounds, bounds[1:], (True, False, True)):
         carry = lax.fori_loop(lo, hi, functools.partial(step, masked=masked), carry)
     return carry
+
+
+def cta_range(row, steps):
+    """(lo, hi): the tiles a CTA steps over, [0, ``steps``) or, with its bounds row
+    (:mod:`.documents`), the part of it inside the row's (lo, hi)."""
+    if row is None:
+        return 0, steps
+    lo = jnp.minimum(row[2], steps)
+    return lo, jnp.maximum(jnp.minimum(row[3], steps), lo)
+
+
+def producer_row(tiles_ref, batch, cta, tiles_smem, barrier):
+    """The producer's copy of its CTA's bounds row (:mod:`.documents`: the first of the
+    CTA's two rows, whose (lo, hi) both share), in the last row of ``tiles_smem``; None
+    without document tiles (``tiles_ref`` None)."""
+    if tiles_ref is None:
+        return None
+    row = tiles_smem.at[WARPGROUPS]
+    plgpu.copy_gmem_to_smem(tiles_ref.at[batch, cta * WARPGROUPS], row, barrier)
+    plgpu.barrier_wait(barrier)
+    return row
 
 
 def smem_bytes(stages: int, dqk: int, dv: int, out_dtype, out_cols=None) -> int:
     """Shared memory of one CTA: Q and O tiles per consumer warpgroup (O ``out_cols`` wide,
     default ``dv``), K / V^T stages."""
     out_cols = dv if out_cols is None else out_cols
-    per_wg = ROWS * (dqk + out_cols * jnp.dtype(out_dtype).itemsize + 12) + 16  # + doc tiles
+    per_wg = ROWS * (dqk + out_cols * jnp.dtype(out_dtype).itemsize + 12) + 128  # + doc tiles
     per_stage = BLOCK * (dqk + dv) + 2 * ROWS * 4 + 2 * BLOCK * 4  # + the aux row
     return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
 
@@ -166,9 +192,10 @@ def forward(
         default :func:`stages_and_out_cols`'s choice.
       longest_first: causal only: the query tiles that see the most keys launch first
         (:func:`query_tile`).
-      doc_tiles: [B, Tp / 64, 4] int32 (segments only; :func:`.documents.query_tiles`
+      doc_tiles: [B, Tp / 64, 32] int32 (segments only; :func:`.documents.query_tiles`
         with 128-key tiles): per 64 query rows, the key tiles [first, stop) that lie wholly
-        inside the rows' document; they take the unmasked path (the same results).
+        inside the rows' document (they take the unmasked path) and the key tiles [lo, hi)
+        their CTA visits (the others are wholly masked): the same results.
     Returns:
       o [B, Tp, Hq, Dv] in ``out_dtype`` (the public layout: no transpose after the kernel),
       lse [B, Hq, Tp] f32 (natural log).
@@ -245,7 +272,7 @@ def forward(
                     tiles_ref.at[batch, row0 // ROWS], tiles, q_bars.at[3 * WARPGROUPS + wg]
                 )
                 plgpu.barrier_wait(q_bars.at[3 * WARPGROUPS + wg])
-                unmasked_lo, unmasked_hi = tiles[0], tiles[1]
+            lo, hi = cta_range(tiles if documents else None, cta_steps)
             plgpu.barrier_wait(q_bars.at[WARPGROUPS + wg])
             row_scale = plgpu.load(qinv_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1)) * c
             plgpu.barrier_wait(q_bars.at[wg])
@@ -259,6 +286,8 @@ def forward(
             if mask.segments:
                 full = jnp.zeros_like(steps)
             full = jnp.minimum(full, steps)
+            # this warpgroup's key tiles: [lo, steps); then it releases [steps, hi)
+            steps = jnp.maximum(jnp.minimum(steps, hi), lo)
 
             m = plgpu.layout_cast(
                 jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)
@@ -266,7 +295,7 @@ def forward(
             l = plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), plgpu.Layout.WGMMA)
 
-            @pl.when(steps > 0)
+            @pl.when(steps > lo)
             def _():
                 plgpu.barrier_wait(k_bars.at[0])
 
@@ -274,7 +303,7 @@ def forward(
 
             def step(j, carry, masked: bool):
                 acc, m, l, u = carry
-                slot = lax.rem(j, stages)
+                slot = lax.rem(j - lo, stages)
 
                 def qk(acc_ref):  # Q8 K8^T, K K-major
                     plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
@@ -338,7 +367,7 @@ def forward(
 
                     @pl.when(nxt < steps)
                     def _():
-                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt, stages)])
+                        plgpu.barrier_wait(k_bars.at[lax.rem(nxt - lo, stages)])
 
                 def pv(acc_ref):  # P^ V8 with V^T K-major (tokens permuted like P^'s columns)
                     plgpu.wgmma(acc_ref, p8, vt_smem.at[slot].T)
@@ -361,8 +390,7 @@ def forward(
 
             carry = (acc, m, l, jnp.ones_like(l))
             if documents:  # masked, unmasked (inside the document), masked
-                bounds = (0, unmasked_lo, unmasked_hi, steps)
-                acc, m, l, u = document_loops(step, bounds, carry)
+                acc, m, l, u = document_loops(step, (lo, tiles[0], tiles[1], steps), carry)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
                 acc, m, l, u = lax.fori_loop(
@@ -370,13 +398,13 @@ def forward(
                 )
 
             def drain(j, _):  # tiles this warpgroup skips (causal): release them
-                slot = lax.rem(j, stages)
+                slot = lax.rem(j - lo, stages)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
                 schedule_barrier()
                 schedule_barrier()
 
-            lax.fori_loop(steps, cta_steps, drain, None)
+            lax.fori_loop(steps, hi, drain, None)
             pl.when(wg == 0)(schedule_barrier)
 
             empty = l == 0.0
@@ -399,6 +427,10 @@ def forward(
         def _producer():
             plgpu.set_max_registers(40, action="decrease")
 
+            # this CTA's key tiles (with document tiles: its row's lo and hi)
+            row = producer_row(tiles_ref, batch, q_tile, tiles_smem2, q_bars.at[4 * WARPGROUPS])
+            lo, hi = cta_range(row, cta_steps)
+
             def load_k(j, slot):  # K, and the factors and segments read with S
                 keys = pl.ds(j * BLOCK, BLOCK)
                 plgpu.copy_gmem_to_smem(
@@ -419,26 +451,27 @@ def forward(
                     v_bars.at[slot],
                 )
 
+            n_steps = hi - lo  # step n loads key tile lo + n into slot n % stages
             for i in range(stages):
 
-                @pl.when(i < cta_steps)
+                @pl.when(i < n_steps)
                 def _():
-                    load_k(i, i)
-                    load_v(i, i)
+                    load_k(lo + i, i)
+                    load_v(lo + i, i)
 
-            @pl.loop(0, jnp.maximum(cta_steps - stages, 0))
-            def _(j):
-                slot = lax.rem(j, stages)
+            @pl.loop(0, jnp.maximum(n_steps - stages, 0))
+            def _(n):
+                slot = lax.rem(n, stages)
                 plgpu.barrier_wait(k_free.at[slot])
-                load_k(j + stages, slot)
+                load_k(lo + n + stages, slot)
                 plgpu.barrier_wait(v_free.at[slot])
-                load_v(j + stages, slot)
+                load_v(lo + n + stages, slot)
 
             # the last releases too (nothing left to load): Pallas' GPU interpreter checks
             # at exit that every completed phase was observed, as the backward's _stream
-            @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
-            def _(j):
-                slot = lax.rem(j, stages)
+            @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+            def _(n):
+                slot = lax.rem(n, stages)
                 plgpu.barrier_wait(k_free.at[slot])
                 plgpu.barrier_wait(v_free.at[slot])
 
@@ -459,11 +492,12 @@ def forward(
             kseg,
             # P^ in shared memory: interpret mode only (its wgmma takes A from a ref)
             plgpu.SMEM((WARPGROUPS, ROWS, BLOCK), jnp.float8_e4m3fn) if interpret else None,
-            plgpu.SMEM((WARPGROUPS, 4), jnp.int32) if documents else None,
+            # document tiles: each consumer's row, and the producer's copy of the first
+            plgpu.SMEM((WARPGROUPS + 1, doc_tiles.shape[-1]), jnp.int32) if documents else None,
         )
         barriers = (
-            # Q, its decode factors, its segments, its document tiles
-            plgpu.Barrier(num_barriers=4 * WARPGROUPS),
+            # Q, its decode factors, its segments, its document tiles (+ the producer's row)
+            plgpu.Barrier(num_barriers=4 * WARPGROUPS + 1),
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V^T
             # K's and V's decode factors with the keys' poison [stages], then the key segment
