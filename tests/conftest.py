@@ -5,6 +5,14 @@ import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+# Pallas' GPU interpreter (jax >= 0.11) runs each warpgroup of a Mosaic GPU kernel as a
+# thread whose barrier waits hold one of XLA's CPU threads; XLA starts as many as there are
+# cores, so on two cores a kernel whose warpgroups wait at once (segment ids, causal drains)
+# never finishes. NPROC, read when XLA's CPU client starts (at the first computation, after
+# this file), gives it more. Older jax versions have no GPU interpreter: left as they are.
+if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11):
+    os.environ["NPROC"] = str(max(8, int(os.environ.get("NPROC") or 0)))
+
 # Training runs use jax's persistent compilation cache; keep the suite's entries out of the
 # user's cache directory (one fresh directory per test session, shared by its workers).
 CACHE = os.environ.setdefault("DM_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="dm_jax_jax_cache_"))

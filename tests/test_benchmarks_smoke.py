@@ -328,8 +328,8 @@ def test_memory_calibration_reads_a_run(tmp_path, capsys):
 
 
 def test_document_tiles_script_shapes_are_packed_self_attention():
-    """benchmarks/document_tiles.py (GPU only: Pallas' GPU interpreter does not finish
-    kernels with segment ids on two cores) compares shapes with documents and T = S."""
+    """benchmarks/document_tiles.py (the H200's bit-for-bit check; the interpret-mode one
+    is tests/test_mosaic_backward.py) compares shapes with documents and T = S."""
     from benchmarks import document_tiles
 
     for case in document_tiles.SHAPES.values():

@@ -115,10 +115,9 @@ DOCUMENT_LOWER_CASES = [  # as LOWER_CASES, with segment ids (self-attention, T 
 def test_document_tiles_lower_for_cuda(case):
     """``document_tiles`` (the default): the forward, the query passes and the key pass
     read their bounds rows ([B, T / 64, 32] int32 each) and lower with their CTA's range
-    and three loops; off, every tile. (Pallas' GPU interpreter does not finish kernels with
-    segment ids on two cores, so the bounds are checked against the mask in
-    tests/test_mosaic_documents.py and the kernels on the GPU, bit for bit against
-    ``document_tiles=False``: `bash benchmarks/h200_mosaic.sh docs`.)"""
+    and three loops; off, every tile. (Their bounds are checked against the mask in
+    tests/test_mosaic_documents.py, the kernels bit for bit against ``document_tiles=False``
+    in interpret mode below and on the H200: `bash benchmarks/h200_mosaic.sh docs`.)"""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t = case[:2]
@@ -289,11 +288,11 @@ def _export_backward(case, with_stats=True, **config_fields):
     return text
 
 
-TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, delta)
-    (1, 256, 256, 2, 1, 64, False, "matched"),  # GQA
-    (1, 300, 200, 4, 2, 64, True, "stale"),  # ragged cross lengths, causal
-    # (segment ids: checked on the GPU, benchmarks/correctness.py; on a 2-core machine the
-    # GPU interpreter of jax 0.11.2 runs out of threads for them, docs/mosaic_gpu.md)
+TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, delta, segment length)
+    (1, 256, 256, 2, 1, 64, False, "matched", None),  # GQA
+    (1, 300, 200, 4, 2, 64, True, "stale", None),  # ragged cross lengths, causal
+    # packed documents (tests/conftest.py gives the interpreter the threads they need)
+    (1, 384, 384, 2, 1, 64, True, "matched", 100),
 ]
 
 
@@ -306,17 +305,25 @@ def test_interpret_twin_matches_the_emulation(case):
     import dm_jax
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
-    b, t, s, hq, hkv, d, causal, delta = case
+    b, t, s, hq, hkv, d, causal, delta, seg = case
     ks = jax.random.split(jax.random.PRNGKey(3), 4)
     q = jax.random.normal(ks[0], (b, t, hq, d))
     k, v = jax.random.normal(ks[1], (b, s, hkv, d)), jax.random.normal(ks[2], (b, s, hkv, d))
     do = jax.random.normal(ks[3], (b, t, hq, d))
     cfg = config.MosaicConfig(fused_quantize=False)
+    ids = None if seg is None else (jnp.arange(t)[None] // seg, jnp.arange(s)[None] // seg)
 
     def grads(implementation, **kw):
         def f(q, k, v):
             return dm_jax.attention(
-                q, k, v, causal=causal, delta=delta, implementation=implementation, **kw
+                q,
+                k,
+                v,
+                causal=causal,
+                delta=delta,
+                segment_ids=ids,
+                implementation=implementation,
+                **kw,
             )
 
         out, vjp = jax.vjp(f, q, k, v)
@@ -331,9 +338,21 @@ def test_interpret_twin_matches_the_emulation(case):
         assert err < 5e-4, (name, err)
 
     spec = _spec(causal, "matched", d)
-    out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+    q_ids, kv_ids = ids or (None, None)
+    out, lse = ops.forward(q, k, v, q_ids, kv_ids, spec=spec, config=cfg, interpret=True)
     res = ops.backward(
-        q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True, with_stats=True
+        q,
+        k,
+        v,
+        out,
+        lse,
+        do,
+        q_ids,
+        kv_ids,
+        spec=spec,
+        config=cfg,
+        interpret=True,
+        with_stats=True,
     )
     # |sum_j dS_ij| against the head's mean sum_j |dS_ij| (a row that sees one key has
     # sum_j |dS_ij| of rounding size only, so a per-row ratio says nothing there)
@@ -344,6 +363,44 @@ def test_interpret_twin_matches_the_emulation(case):
 
 
 @NEEDS_011
+@NEEDS_011
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_document_tiles_are_bitwise_every_tile(causal):
+    """``document_tiles`` (the default) in Pallas' GPU interpret mode: out, dQ, dK and dV
+    bit for bit those of ``document_tiles=False`` (every tile visited, every tile masked),
+    with documents of 150, 40 and 194 tokens in a ragged row (the CTAs skip tiles, run
+    tiles inside one document unmasked, and reach padding)."""
+    import dm_jax
+
+    t, hq, hkv, d = 384 - 20, 2, 1, 64
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    q = jax.random.normal(ks[0], (1, t, hq, d))
+    k, v = jax.random.normal(ks[1], (1, t, hkv, d)), jax.random.normal(ks[2], (1, t, hkv, d))
+    do = jax.random.normal(ks[3], (1, t, hq, d))
+    ids = jnp.asarray(np.repeat([4, 5, 6], [150, 40, t - 190])[None], jnp.int32)
+
+    def run(document_tiles):
+        cfg = config.MosaicConfig(fused_quantize=False, document_tiles=document_tiles)
+
+        def f(q, k, v):
+            return dm_jax.attention(
+                q,
+                k,
+                v,
+                causal=causal,
+                segment_ids=ids,
+                implementation="mosaic_interpret",
+                config=cfg,
+            )
+
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out,) + vjp(do)
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(True), run(False)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        assert np.isfinite(np.asarray(a)).all(), name
+
+
 def test_pingpong_is_bitwise_the_same():
     """The consumer warpgroups' turns on the tensor cores change when each dot runs, not
     what it computes: delta, dQ, dK, dV and the dS row statistics bitwise equal without

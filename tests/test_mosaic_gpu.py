@@ -164,8 +164,10 @@ TWIN_CASES = [  # (b, t, s, hq, hkv, d, causal, segment length)
     (1, 256, 256, 2, 2, 64, False, None),
     (1, 300, 200, 4, 2, 64, True, None),  # GQA, ragged cross lengths, causal
     (1, 512, 512, 2, 1, 64, True, None),  # more key tiles than stages: every slot reused
-    # Segment ids are checked on the GPU only (benchmarks/mosaic_forward.py): in jax 0.11.2's
-    # GPU interpreter the kernel with segments waits forever (docs/mosaic_gpu.md).
+    # segment ids (ascending: document tiles skip and unmask tiles), GQA, causal, ragged
+    # cross lengths (tests/conftest.py gives the interpreter the threads they need)
+    (1, 384, 384, 2, 1, 64, True, 100),
+    (1, 300, 200, 4, 2, 64, False, 90),
 ]
 
 
@@ -286,3 +288,22 @@ def test_longest_first_forward_is_bitwise_the_grid_order():
     )
     assert bool(jnp.all(jnp.isfinite(o_grid)))
     assert bool(jnp.array_equal(o_longest, o_grid)) and bool(jnp.array_equal(lse_longest, lse_grid))
+
+
+def test_interpreter_thread_warning(monkeypatch):
+    """Too few XLA CPU threads for Pallas' GPU interpreter: one RuntimeWarning naming NPROC;
+    enough: none."""
+    import warnings
+
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward
+
+    monkeypatch.setenv("NPROC", "2")
+    forward.warn_interpreter_threads.cache_clear()
+    with pytest.warns(RuntimeWarning, match="NPROC=8"):
+        forward.warn_interpreter_threads()
+    monkeypatch.setenv("NPROC", "8")
+    forward.warn_interpreter_threads.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forward.warn_interpreter_threads()
+    forward.warn_interpreter_threads.cache_clear()

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -72,10 +74,31 @@ def kernel_dtype(dtype):
     return dtype if dtype in (jnp.bfloat16, jnp.float16, jnp.float32) else jnp.float32
 
 
+INTERPRETER_THREADS = 8  # XLA CPU threads the GPU interpreter needs (WARPGROUPS + 1 wait)
+
+
+@functools.cache
+def warn_interpreter_threads():
+    """Warn (once) where XLA's CPU client likely has too few threads for Pallas' GPU
+    interpreter: each simulated warpgroup's barrier wait holds one, and a kernel whose
+    warpgroups all wait at once never finishes (docs/mosaic_gpu.md, "The CPU twin")."""
+    threads = int(os.environ.get("NPROC") or 0) or os.cpu_count() or 1
+    if threads < INTERPRETER_THREADS:
+        warnings.warn(
+            f"Pallas' GPU interpreter may wait forever with {threads} CPU threads (kernels "
+            f"with segment ids or causal GQA); set NPROC={INTERPRETER_THREADS} in the "
+            "environment before the first computation (XLA reads it when its CPU client starts)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def warp_specialized_call(body, out_type, grid, grid_names, interpret: bool):
     """``plgpu.kernel`` with WARPGROUPS consumer warpgroups and one producer warpgroup
     (thread axis "wg"), fast approximate math, or Pallas' GPU interpret mode (threads,
     barriers, TMA and wgmma simulated on the CPU)."""
+    if interpret:
+        warn_interpreter_threads()
     return plgpu.kernel(
         body,
         out_type=out_type,
