@@ -341,19 +341,9 @@ def test_interpret_twin_matches_the_emulation(case):
     q_ids, kv_ids = ids or (None, None)
     out, lse = ops.forward(q, k, v, q_ids, kv_ids, spec=spec, config=cfg, interpret=True)
     res = ops.backward(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        do,
-        q_ids,
-        kv_ids,
-        spec=spec,
-        config=cfg,
-        interpret=True,
+        q, k, v, out, lse, do, q_ids, kv_ids, spec=spec, config=cfg, interpret=True,
         with_stats=True,
-    )
+    )  # fmt: skip
     # |sum_j dS_ij| against the head's mean sum_j |dS_ij| (a row that sees one key has
     # sum_j |dS_ij| of rounding size only, so a per-row ratio says nothing there)
     scale = jnp.mean(res.ds_abssum_pre, axis=-1, keepdims=True)
