@@ -421,13 +421,11 @@ def test_longest_first_query_passes_are_bitwise_the_grid_order():
     """The matched-delta and dQ passes with their causal query tiles launched longest first:
     delta and dQ bitwise the grid order's (the forward's order:
     tests/test_mosaic_gpu.py). Causal with a ragged length (three query CTAs, the last one
-    padded). Without GQA: with GQA jax 0.11.2's GPU interpreter waits forever on the
-    reversed order, so ``implementation="mosaic_interpret"`` keeps the grid's order
-    (ops._longest_first); the H200 checked GQA shapes bit for bit (docs/mosaic_gpu.md)."""
+    padded), GQA (2 query heads on 1 kv head)."""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
-    b, t, h, d = 1, 320, 2, 64
-    q, k, v, do = _gqa_inputs(7, b, t, h, h, d)
+    b, t, d = 1, 320, 64
+    q, k, v, do = _gqa_inputs(7, b, t, 2, 1, d)
     spec = _spec(True, "matched", d)
     cfg = config.MosaicConfig(fused_quantize=False)
     out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)

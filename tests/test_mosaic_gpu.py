@@ -277,12 +277,11 @@ def test_output_stored_by_columns_is_bitwise_the_whole_tile():
 def test_longest_first_forward_is_bitwise_the_grid_order():
     """The forward kernel with its causal query tiles launched longest first: output and
     lse bitwise the grid order's. Causal with a ragged length (three query CTAs, the last
-    one padded). Without GQA: with GQA jax 0.11.2's GPU interpreter waits forever on the
-    reversed order, so ``implementation="mosaic_interpret"`` keeps the grid's order
-    (ops._longest_first); the H200 checked GQA shapes bit for bit (docs/mosaic_gpu.md)."""
-    b, t, h, d = 1, 320, 2, 64
+    one padded), GQA (2 query heads on 1 kv head)."""
+    b, t, d = 1, 320, 64
     ks = jax.random.split(jax.random.PRNGKey(7), 3)
-    q, k, v = (jax.random.normal(key, (b, t, h, d)) for key in ks)
+    q = jax.random.normal(ks[0], (b, t, 2, d))
+    k, v = (jax.random.normal(key, (b, t, 1, d)) for key in ks[1:])
     (o_grid, lse_grid), (o_longest, lse_longest) = (
         _causal_forward_kernel(q, k, v, longest_first=longest) for longest in (False, True)
     )

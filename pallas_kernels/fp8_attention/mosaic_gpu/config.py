@@ -68,7 +68,7 @@ class MosaicConfig:
     ``"grid"``: the grid's own order (the tiles that see the fewest keys first). The results
     are bitwise the same; on the H200 longest-first took the causal forward 5-14% and the
     query passes 6-9% faster (docs/mosaic_gpu.md, "Causal launch order"). Pallas' GPU
-    interpreter (``mosaic_interpret``) always runs the grid's order.
+    interpreter (``mosaic_interpret``) runs the same order.
     ``document_tiles`` (default on): with segment ids whose real ids ascend along each row
     (packed documents), each CTA visits only the tiles whose ids can meet its own (the
     others are wholly masked and would add exact zeros), and the tiles that lie wholly

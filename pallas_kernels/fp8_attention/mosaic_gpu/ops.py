@@ -26,11 +26,11 @@ __all__ = ["Config", "backward", "default_config", "delta", "forward", "passes",
 
 
 def _longest_first(config: MosaicConfig, interpret: bool) -> bool:
-    """Whether causal query tiles launch longest first: ``config.causal_order``'s choice on
-    the GPU. Pallas' GPU interpreter runs the grid's order: it only changes the hardware
-    scheduler's order, and jax 0.11.2's interpreter waits forever on the reversed order with
-    GQA (docs/mosaic_gpu.md, "Causal launch order")."""
-    return config.causal_order == "longest_first" and not interpret
+    """Whether causal query tiles launch longest first: ``config.causal_order``'s choice, on
+    the GPU and in Pallas' GPU interpreter alike (which, given the CPU threads it needs,
+    runs the reversed order with GQA too: docs/mosaic_gpu.md, "The CPU twin")."""
+    del interpret  # the same order in both
+    return config.causal_order == "longest_first"
 
 
 def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False):
