@@ -13,7 +13,7 @@ Tiles outside every document of a CTA's tokens are wholly masked: their scores a
 -inf, so they add exact zeros (P = 0, dS = 0) and leave the running max and sum as they
 were. A CTA steps only over the tiles whose ids can meet its own: where each row's real ids
 never decrease (packed documents), the tiles [lo, hi) whose id range meets the range of the
-CTA's real ids (one pair of binary searches); elsewhere every tile. Causality narrows the
+CTA's real ids (one pair of searches); elsewhere every tile. Causality narrows the
 range further in the kernel, as before.
 
 Each kernel reads, per 64-token tile of its own loop's outer side, one row of ROW_WORDS
@@ -30,6 +30,8 @@ when every token of the 64 lies in one document and is not padding; else none.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -88,9 +90,14 @@ def cta_ranges(outer_seg, inner_seg, n_outer: int, n_inner: int, inner_tile: int
     n_tiles = inner_seg.shape[1] // inner_tile
     out_lo, out_hi = _id_range(outer_seg, n_outer, CTA_TOKENS)
     in_lo, in_hi = _id_range(inner_seg, n_inner, inner_tile)
-    # ascending ids: both bounds ascend along the tiles (padding's NO_ID last)
-    first = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left"))(in_hi, out_lo)
-    stop = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="right"))(in_lo, out_hi)
+
+    # ascending ids: both bounds ascend along the tiles (padding's NO_ID last); a search by
+    # comparing all pairs (tens of tiles) is one fused op, where a binary search is a loop
+    def search(a, v, side):
+        return jnp.searchsorted(a, v, side=side, method="compare_all")
+
+    first = jax.vmap(functools.partial(search, side="left"))(in_hi, out_lo)
+    stop = jax.vmap(functools.partial(search, side="right"))(in_lo, out_hi)
     padding = jnp.arange(out_lo.shape[1])[None, :] * CTA_TOKENS >= n_outer
     first, stop = jnp.where(padding, 0, first), jnp.where(padding, 0, stop)
     ascending = (_ascending(outer_seg, n_outer) & _ascending(inner_seg, n_inner))[:, None]
