@@ -23,7 +23,9 @@
 #   bash benchmarks/h200_mosaic.sh dqwide  # the same fwd+bwd at D=64, 256 and 192/128
 #   bash benchmarks/h200_mosaic.sh profile # Nsight Compute's per-instruction stall samples of
 #                                          # the dK/dV and dQ passes (SASS, hottest first;
-#                                          # PASSES=forward_kernel: the forward's)
+#                                          # PASSES=forward_kernel: the forward's;
+#                                          # SHAPE=h569m_t4096_docs CAUSAL=1: the whole
+#                                          # call with documents, see profile_mosaic.py)
 #   bash benchmarks/h200_mosaic.sh gaps    # every delta mode at D=256 and 192/128 with GQA,
 #                                          # segments and a ragged length; fwd+bwd causal with
 #                                          # stale beside matched and cuDNN BF16
@@ -164,7 +166,8 @@ profile)
     # launches 1-2 of the kernel are warm-up (and the dQ plan's own delta launch)
     timeout 200 ncu --clock-control none -k "regex:$kernel" --launch-skip 2 --launch-count 1 \
       --section SourceCounters --section WarpStateStats --section LaunchStats -f -o "$W/$pass" \
-      python3 benchmarks/profile_mosaic.py --pass "$pass" > "$W/$pass.ncu.log" 2>&1
+      python3 benchmarks/profile_mosaic.py --pass "$pass" --shape "${SHAPE:-main}" ${CAUSAL:+--causal} \
+      > "$W/$pass.ncu.log" 2>&1
     echo "ncu $pass: exit $?"
     ncu --import "$W/$pass.ncu-rep" --page source --csv --print-source sass \
       > "$W/$pass.sass.csv" 2> "$W/$pass.import.err"

@@ -9,6 +9,11 @@ Nsight Compute or ptxas' report (``MOSAIC_GPU_DUMP_PTXAS=1``):
 Every pass runs three times; skip two launches of the kernel named by ``-k`` to profile the
 third. The backward passes' kernels are named dm_fp8_attention_query_pass_mosaic (delta,
 dQ) and dm_fp8_attention_key_pass_mosaic (dK/dV).
+
+A shape with documents (``--shape h569m_t4096_docs``) runs the whole forward and backward
+of ``dm_jax.attention`` with its segment ids three times instead (the passes take no
+segment ids): per run one forward launch, two query-pass launches (delta, dQ) and the key
+pass's, so ``--launch-skip 2`` profiles the third forward or the second delta pass.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+import dm_jax
 from dm_jax import backends
 from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES
@@ -37,6 +43,23 @@ def main(argv=None):
     spec = AttentionSpec(
         case.causal, "matched", "fp8", case.dqk**-0.5, default_tiles(case.dqk, case.dv)
     )
+    if case.segment_len:  # documents: the whole call, with its segment ids
+        ids = case.segment_ids()[0]
+
+        def attention(q, k, v):
+            return dm_jax.attention(
+                q, k, v, causal=case.causal, segment_ids=ids, implementation="mosaic"
+            )
+
+        def step(q, k, v, do):
+            out, vjp = jax.vjp(attention, q, k, v)
+            return (out,) + vjp(do)
+
+        run = jax.jit(step)
+        for _ in range(3):
+            out = run(q, k, v, do)
+        print("attention with documents", [float(jnp.sum(x.astype(jnp.float32))) for x in out])
+        return
     plan = backends.get("mosaic").passes(q, k, v, do, spec=spec, config=MosaicConfig())
     if args.name not in plan:
         p.error(f"--pass: unknown {args.name!r}; choose from {sorted(plan)}")
