@@ -353,7 +353,6 @@ def test_interpret_twin_matches_the_emulation(case):
 
 
 @NEEDS_011
-@NEEDS_011
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_document_tiles_are_bitwise_every_tile(causal):
     """``document_tiles`` (the default) in Pallas' GPU interpret mode: out, dQ, dK and dV
@@ -391,6 +390,7 @@ def test_document_tiles_are_bitwise_every_tile(causal):
         assert np.isfinite(np.asarray(a)).all(), name
 
 
+@NEEDS_011
 def test_pingpong_is_bitwise_the_same():
     """The consumer warpgroups' turns on the tensor cores change when each dot runs, not
     what it computes: delta, dQ, dK, dV and the dS row statistics bitwise equal without
