@@ -11,7 +11,12 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 # never finishes. NPROC, read when XLA's CPU client starts (at the first computation, after
 # this file), gives it more. Older jax versions have no GPU interpreter: left as they are.
 if tuple(int(x) for x in jax.__version__.split(".")[:2]) >= (0, 11):
-    os.environ["NPROC"] = str(max(8, int(os.environ.get("NPROC") or 0)))
+    from pallas_kernels.fp8_attention.mosaic_gpu.forward import (  # starts no client either
+        INTERPRETER_THREADS,
+        interpreter_threads,
+    )
+
+    os.environ["NPROC"] = str(max(INTERPRETER_THREADS, interpreter_threads()))
 
 # Training runs use jax's persistent compilation cache; keep the suite's entries out of the
 # user's cache directory (one fresh directory per test session, shared by its workers).

@@ -77,12 +77,17 @@ def kernel_dtype(dtype):
 INTERPRETER_THREADS = 8  # XLA CPU threads the GPU interpreter needs (WARPGROUPS + 1 wait)
 
 
+def interpreter_threads() -> int:
+    """The CPU threads XLA's CPU client starts with: ``NPROC`` if set, else the cores."""
+    return int(os.environ.get("NPROC") or 0) or os.cpu_count() or 1
+
+
 @functools.cache
 def warn_interpreter_threads():
     """Warn (once) where XLA's CPU client likely has too few threads for Pallas' GPU
     interpreter: each simulated warpgroup's barrier wait holds one, and a kernel whose
     warpgroups all wait at once never finishes (docs/mosaic_gpu.md, "The CPU twin")."""
-    threads = int(os.environ.get("NPROC") or 0) or os.cpu_count() or 1
+    threads = interpreter_threads()
     if threads < INTERPRETER_THREADS:
         warnings.warn(
             f"Pallas' GPU interpreter may wait forever with {threads} CPU threads (kernels "

@@ -25,11 +25,10 @@ Config = MosaicConfig
 __all__ = ["Config", "backward", "default_config", "delta", "forward", "passes", "supported"]
 
 
-def _longest_first(config: MosaicConfig, interpret: bool) -> bool:
+def _longest_first(config: MosaicConfig) -> bool:
     """Whether causal query tiles launch longest first: ``config.causal_order``'s choice, on
     the GPU and in Pallas' GPU interpreter alike (which, given the CPU threads it needs,
     runs the reversed order with GQA too: docs/mosaic_gpu.md, "The CPU twin")."""
-    del interpret  # the same order in both
     return config.causal_order == "longest_first"
 
 
@@ -85,7 +84,7 @@ def forward(
         stages=config.stages,
         out_dtype=fwd_kernel.kernel_dtype(q.dtype),
         interpret=interpret,
-        longest_first=_longest_first(config, interpret),
+        longest_first=_longest_first(config),
         doc_tiles=doc_tiles,
     )
     return ForwardResult(o[:, :t].astype(q.dtype), lse[:, :, :t])
@@ -127,7 +126,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         quantize_warps=config.quantize_warps,
         dq_in_key_pass=config.backward_dq == "key_pass",
         wide_launches=config.backward_wide_launches,
-        longest_first=_longest_first(config, interpret),
+        longest_first=_longest_first(config),
         document_tiles=config.document_tiles,
     )
 
@@ -218,7 +217,7 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: MosaicConfig, interpret:
             stages=config.stages,
             out_dtype=fwd_kernel.kernel_dtype(q.dtype),
             interpret=interpret,
-            longest_first=_longest_first(config, interpret),
+            longest_first=_longest_first(config),
         )
 
     out = {
