@@ -41,6 +41,10 @@
 #                                          # matched (with and without document tiles) against
 #                                          # cuDNN BF16 through a dense mask and its packed
 #                                          # sequences (docs/training.md, "Pairs 6 and 7")
+#   bash benchmarks/h200_mosaic.sh kernels # one fwd+bwd under jax's profiler, kernel by kernel
+#                                          # (benchmarks/layer_kernels.py): the 569m layer and
+#                                          # small at 8 x 8192 with documents against cuDNN's
+#                                          # packed path, the main shape against cuDNN BF16
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
 #                                          # (memory throughput, registers, stalls, SASS hotspots;
 #                                          # QWARPS=8: at 8 warps per program)
@@ -140,6 +144,17 @@ docs)
     > "$W/attention.log" 2>&1
   echo "attention: exit $?"
   grep "^| [a-z0-9_]* | [a-z]" "$W/attention.log"
+  ;;
+kernels)
+  for shape in h569m_t4096_docs:1:cudnn_bf16_packed small_t8192_docs:1:cudnn_bf16_packed \
+      main:0:cudnn_bf16; do
+    IFS=: read -r name causal cudnn <<< "$shape"
+    mkdir -p "$W/$name"
+    timeout 150 python3 benchmarks/layer_kernels.py --shape "$name" --causal "$causal" \
+      --arms "mosaic_fp8_matched,$cudnn" --out "$W/$name" > "$W/$name/layer_kernels.log" 2>&1
+    echo "$name: exit $?"
+    grep "^|" "$W/$name/layer_kernels.log"
+  done
   ;;
 dqkeys)
   timeout 250 python3 benchmarks/dq_key_pass.py --out "$W" > "$W/dq_key_pass.log" 2>&1

@@ -336,3 +336,30 @@ def test_document_tiles_script_shapes_are_packed_self_attention():
         assert case.segment_len and case.t == case.s and case.segment_len < case.t
         q_ids, kv_ids = case.segment_ids()
         assert bool(jnp.array_equal(q_ids, kv_ids))
+
+
+def test_layer_kernels_adds_up_stream_kernels_by_kind():
+    """benchmarks/layer_kernels.py: kernels of several steps summed per kind, per step, and
+    the last step's launches in order."""
+    from benchmarks.layer_kernels import breakdown
+
+    one_step = [
+        ("dm_fp8_attention_quantize", 20.0),
+        ("dm_fp8_attention_forward_mosaic_mosaic_gpu_kernel", 300.0),
+        ("dm_fp8_attention_query_pass_mosaic_mosaic_gpu_kernel", 160.0),
+        ("dm_fp8_attention_key_pass_mosaic_mosaic_gpu_kernel", 590.0),
+        ("loop_pad_fusion", 10.0),
+        ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 200.0),
+    ]
+    events = [dict(name=n, dur=d * (1 + step)) for step in range(2) for n, d in one_step]
+    got = breakdown(events, steps=2)
+    assert got["us_by_kind"] == {
+        "key pass (dK, dV)": 885.0,
+        "forward kernel": 450.0,
+        "cuDNN": 300.0,
+        "query passes (delta, dQ)": 240.0,
+        "quantize pre-passes": 30.0,
+        "XLA kernels and copies": 15.0,
+    }
+    assert got["kernel_us"] == 1920.0 and got["launches_per_step"] == 6
+    assert [x["us"] for x in got["launches"]] == [2 * d for _, d in one_step]

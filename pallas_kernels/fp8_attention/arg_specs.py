@@ -165,4 +165,5 @@ BENCH_SHAPES = {
     # of 1,500 tokens, offset per row), beside the same layer without them
     "h569m_t4096": Case("h569m_t4096", 8, 4096, 4096, 4, 2, 256, 256),
     "h569m_t4096_docs": Case("h569m_t4096_docs", 8, 4096, 4096, 4, 2, 256, 256, segment_len=1500),
+    "small_t8192_docs": Case("small_t8192_docs", 8, 8192, 8192, 4, 2, 128, 128, segment_len=1500),
 }
