@@ -306,6 +306,14 @@ def test_cudnn_documents_reach_the_cudnn_core_and_are_checked(monkeypatch):
         attention_core(q, q, q, arm="cudnn_bf16", segment_ids=ids, documents="mask")
     attention_core(q, q, q, arm="bf16", segment_ids=ids, documents="packed")  # ignored
     assert calls == [(2, 8)]
+    widths = []  # MLA: V narrower than Q/K goes in zero-padded, the output comes back cut
+    monkeypatch.setattr(
+        baselines,
+        "cudnn_bf16_documents",
+        lambda q, k, v, **kw: widths.append(v.shape[-1]) or jnp.ones(q.shape, q.dtype),
+    )
+    out = attention_core(q, q, q[..., :8], arm="cudnn_bf16", segment_ids=ids, documents="packed")
+    assert widths == [16] and out.shape == (2, 8, 2, 8)
     with pytest.raises(ValueError, match="documents: must be one of"):
         attention_core(q, q, q, arm="cudnn_bf16", documents="dense")
     with pytest.raises(ValueError, match="cudnn_documents: must be one of"):

@@ -317,11 +317,11 @@ def test_cudnn_documents_flag_reaches_the_model_and_may_change_on_resume(tmp_pat
     cfg = config_lib.parse_args(
         ["--preset", "tiny", "--attention", "cudnn_bf16", "--run-dir", str(tmp_path)]
     )
-    assert cfg.model.build().cudnn_documents == "mask"  # the default
+    assert cfg.model.build().cudnn_documents == "packed"  # the default
     cfg.save(str(tmp_path))
-    argv = ["--resume", "--run-dir", str(tmp_path), "--cudnn-documents", "packed"]
-    packed = config_lib.parse_args(argv)
-    assert packed.model.build().cudnn_documents == "packed"
-    config_lib.check_compatible(cfg, packed)  # how cuDNN reads documents, not the model
+    argv = ["--resume", "--run-dir", str(tmp_path), "--cudnn-documents", "mask"]
+    masked = config_lib.parse_args(argv)
+    assert masked.model.build().cudnn_documents == "mask"
+    config_lib.check_compatible(cfg, masked)  # how cuDNN reads documents, not the model
     with pytest.raises(SystemExit):
         config_lib.parse_args(["--cudnn-documents", "dense"])

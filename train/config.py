@@ -494,9 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--cudnn-documents",
         default=None,
         choices=DOCUMENT_MODES,
-        help="how the cudnn_bf16 arm hands packed documents to cuDNN: mask (default: a dense "
-        "[B, 1, T, S] mask) or packed (cuDNN's packed sequences, where every row holds at "
-        f"most {PACKED_MAX_DOCUMENTS} documents; the mask otherwise)",
+        help="how the cudnn_bf16 arm hands packed documents to cuDNN: packed (default: cuDNN's "
+        f"packed sequences, where every row holds at most {PACKED_MAX_DOCUMENTS} documents; "
+        "the mask otherwise) or mask (a dense [B, 1, T, S] mask, twice cuDNN's time)",
     )
     a(
         "--mixer-impl",

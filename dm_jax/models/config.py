@@ -15,8 +15,9 @@ Mixer projections (GDN, KDA, Mamba-2) stay in bf16. `fp8_scaling` sets the scale
 granularity of every FP8 linear layer (`dm_jax.nn.fp8.SCALINGS`): "per_token" (default)
 keeps the model causal and the sequences of a batch independent; "per_tensor" is the older
 rule, kept for comparison. `cudnn_documents` sets how the `cudnn_bf16` arm hands packed
-documents to cuDNN: "mask" (default: a dense [B, 1, T, S] mask, which doubles cuDNN's
-time) or "packed" (cuDNN's packed sequences; `dm_jax.baselines.cudnn_bf16_documents`).
+documents to cuDNN: "packed" (default: cuDNN's packed sequences,
+`dm_jax.baselines.cudnn_bf16_documents`) or "mask" (a dense [B, 1, T, S] mask, which
+doubles cuDNN's time).
 
 Compilation: with `scan_layers` (the default) the repeats of the layer group (the shortest
 period of `pattern`, e.g. 6 x (gdn, gdn, gdn, attn)) run as one `lax.scan`, so XLA compiles
@@ -95,8 +96,9 @@ class HybridConfig:
     attn_proj: str | None = None
     attn_core: str | None = None
     fp8_scaling: str = "per_token"  # FP8 linear layers (ffn, attn_proj)
-    # how the cudnn_bf16 arm hands packed documents to cuDNN: "mask" (dense) or "packed"
-    cudnn_documents: str = "mask"
+    # how the cudnn_bf16 arm hands packed documents to cuDNN: "packed" (its packed
+    # sequences, the fast path) or "mask" (dense)
+    cudnn_documents: str = "packed"
     # compilation and memory: scan over the repeating layer group; rematerialisation policy
     scan_layers: bool = True
     remat: str = "none"

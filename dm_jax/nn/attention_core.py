@@ -7,6 +7,7 @@ Layout everywhere: q [B, T, Hq, Dqk], k [B, S, Hkv, Dqk], v [B, S, Hkv, Dv] -> [
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from dm_jax import baselines, reference
 from dm_jax.arms import ARMS, check_arm
@@ -40,9 +41,13 @@ def _cudnn(q, k, v, *, arm, causal, scale, segment_ids, implementation, precisio
     del arm, implementation
     packed = documents == "packed" and precision == "bf16"
     if packed and segment_ids is not None and not isinstance(segment_ids, (tuple, list)):
-        return baselines.cudnn_bf16_documents(
+        dqk, dv = q.shape[-1], v.shape[-1]
+        if dv < dqk:  # MLA (192/128): cuDNN's packed path takes V as wide as Q and K
+            v = jnp.pad(v, [(0, 0)] * 3 + [(0, dqk - dv)])
+        out = baselines.cudnn_bf16_documents(
             q, k, v, causal=causal, scale=scale, segment_ids=segment_ids
         )
+        return out[..., :dv]
     run = getattr(baselines, _CUDNN[precision])
     return run(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids)
 
