@@ -21,8 +21,10 @@
 #                                                       # twice the tokens), peaks for the estimate
 #                                                       # (PRESETS="569m" for one of them;
 #                                                       # LAYOUT=" " lets --scan-layers auto pick;
-#                                                       # DOCS=packed: cudnn_bf16 with cuDNN's
-#                                                       # packed sequences, not a dense mask)
+#                                                       # DOCS=mask|packed: cudnn_bf16's
+#                                                       # --cudnn-documents, named in the run;
+#                                                       # unset: the default, packed sequences)
+#                                                       # small runs SMALL_STEPS (default 96)
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
@@ -34,7 +36,10 @@ R=/tmp/runs
 mkdir -p "$OUT" "$R"
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, 'optax', optax.__version__, jax.devices())"
 SIZE=${SIZE:-"--preset 569m --seq-len 4096 --batch-size 8"}
-QUIET="--steps 24 --log-every 4 --eval-every 0 --probe-every 0 --ckpt-every 0"
+QUIET="--steps ${STEPS:-24} --log-every 4 --eval-every 0 --probe-every 0 --ckpt-every 0"
+# small's 24 steps last under 3 s after compilation, too few for a steady tokens/s (a
+# 24-step pair read 0.91x where 96 steps read 0.97x): pairs runs it for SMALL_STEPS
+SMALL_QUIET="${QUIET/--steps ${STEPS:-24}/--steps ${SMALL_STEPS:-96}}"
 ARM=${2:-matched}
 
 run() {  # run NAME FLAGS...: one training run; prints its summary and any slow folding
@@ -145,7 +150,9 @@ pairs)
       name="$preset-$T-$arm-unrolled"
       docs=""
       [ "$arm" = cudnn_bf16 ] && [ -n "${DOCS:-}" ] && docs="--cudnn-documents $DOCS" && name="$name-$DOCS"
-      run "$name" --preset $preset --seq-len "$T" --batch-size $((TOKENS / T)) $QUIET \
+      quiet=$QUIET
+      [ "$preset" = small ] && quiet=$SMALL_QUIET
+      run "$name" --preset $preset --seq-len "$T" --batch-size $((TOKENS / T)) $quiet \
         --attention "$arm" --compile-cache off ${LAYOUT:---scan-layers off --skip-memory-check} $docs
       dirs+=("$R/$name")
     done
