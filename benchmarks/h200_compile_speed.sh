@@ -25,6 +25,9 @@
 #                                                       # --cudnn-documents, named in the run;
 #                                                       # unset: the default, packed sequences)
 #                                                       # small runs SMALL_STEPS (default 96)
+#   bash benchmarks/h200_compile_speed.sh fused ARM     # 569m unrolled, --fused-projections off
+#                                                       # then on (the GDN input projections as
+#                                                       # one matmul, the convs as one)
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
@@ -159,6 +162,12 @@ pairs)
   done
   python3 benchmarks/memory_calibration.py "${dirs[@]}" --out "$OUT" | tee "$OUT/pairs-$T.md"
   ;;
+fused)
+  for fused in off on; do
+    run "$ARM-fused-$fused" $SIZE $QUIET --attention "$ARM" --compile-cache off \
+      --scan-layers off --skip-memory-check --fused-projections $fused
+  done
+  ;;
 statepass)
   for pass in sequential pallas; do
     run "small-300-matched-$pass" --preset small --steps 300 --log-every 10 --eval-every 100 \
@@ -167,7 +176,7 @@ statepass)
   done
   ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan ARM | memory SIZE | pairs T | long | statepass" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan|fused ARM | memory SIZE | pairs T | long | statepass" >&2
   exit 2
   ;;
 esac

@@ -193,3 +193,46 @@ def test_unit_lower_inverse_matches_triangular_solve(C, inverse):
         L, jnp.broadcast_to(jnp.eye(C), L.shape), lower=True, unit_diagonal=True
     )
     np.testing.assert_allclose(fn(L), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("make", [_gdn, _kda], ids=["gdn", "kda"])
+def test_fused_projections_keep_the_values_and_gradients(make):
+    """`fused_projections`: the mixer's six projections of x as one matmul and its three
+    short convolutions as one give the unfused layer's output and parameter gradients (bf16
+    projections, segment ids), with the same parameters, to bf16 rounding (compiled, XLA
+    may round the joined and the separate backward matmuls' bf16 results apart)."""
+    kw = dict(num_heads=2, key_dim=8, value_dim=8, chunk_size=8, dtype=jnp.bfloat16)
+    cls = GatedDeltaNet if make is _gdn else KimiDeltaAttention
+    plain = cls(24, **kw, rngs=nnx.Rngs(0))
+    fused = cls(24, **kw, fused_projections=True, rngs=nnx.Rngs(0))
+    chex.assert_trees_all_equal(nnx.state(plain, nnx.Param), nnx.state(fused, nnx.Param))
+    x = jax.random.normal(jax.random.key(5), (2, 21, 24), jnp.bfloat16)
+    seg = jnp.array([[0] * 9 + [1] * 12, [0] * 21], jnp.int32)
+
+    def loss(m, x):
+        return jnp.sum(m(x, segment_ids=seg).astype(jnp.float32) ** 2)
+
+    grad = nnx.jit(nnx.value_and_grad(loss))
+    (l1, g1), (l2, g2) = grad(plain, x), grad(fused, x)
+    np.testing.assert_allclose(l1, l2, rtol=1e-2)
+    assert float(l1) > 1e-3
+    for (path, a), (_, b) in zip(jax.tree.leaves_with_path(g1), jax.tree.leaves_with_path(g2)):
+        scale = float(jnp.abs(a).max())
+        assert scale > 0, path
+        np.testing.assert_allclose(a / scale, b / scale, atol=1e-2, err_msg=str(path))
+
+
+def test_fused_linear_refuses_layers_it_cannot_join():
+    from dm_jax.nn.fp8 import Linear, fused_linear
+
+    rngs = nnx.Rngs(0)
+    a, b = Linear(8, 4, rngs=rngs), Linear(8, 6, rngs=rngs)
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    ya, yb = fused_linear(x, [a, b])
+    np.testing.assert_array_equal(ya, a(x))
+    np.testing.assert_array_equal(yb, b(x))
+    for other in (Linear(8, 4, fp8=True, rngs=rngs), Linear(7, 4, rngs=rngs)):
+        with pytest.raises(ValueError, match="linears: fused_linear"):
+            fused_linear(x, [a, other])
+    with pytest.raises(ValueError, match="x: expected last dim 8"):
+        fused_linear(x[:, :5], [a, b])

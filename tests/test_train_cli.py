@@ -313,6 +313,20 @@ def test_second_signal_stops_a_long_step_at_once(tmp_path):
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4"]
 
 
+def test_fused_projections_flag_reaches_the_mixers_and_may_change_on_resume(tmp_path):
+    argv = ["--preset", "tiny", "--run-dir", str(tmp_path), "--fused-projections", "on"]
+    cfg = config_lib.parse_args(argv)
+    model = cfg.model.build()
+    assert model.fused_projections
+    assert config_lib.parse_args(["--preset", "tiny"]).model.build().fused_projections is False
+    cfg.save(str(tmp_path))
+    off = config_lib.parse_args(
+        ["--resume", "--run-dir", str(tmp_path), "--fused-projections", "off"]
+    )
+    assert off.model.build().fused_projections is False
+    config_lib.check_compatible(cfg, off)  # how the step is computed, not the parameters
+
+
 def test_cudnn_documents_flag_reaches_the_model_and_may_change_on_resume(tmp_path):
     cfg = config_lib.parse_args(
         ["--preset", "tiny", "--attention", "cudnn_bf16", "--run-dir", str(tmp_path)]

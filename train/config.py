@@ -256,6 +256,7 @@ class RunConfig:
         "state_pass",
         "state_scan_unroll",
         "cudnn_documents",
+        "fused_projections",
     )
 
     def __post_init__(self):
@@ -530,6 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="chunks per loop iteration of the sequential state pass (default 1)",
     )
     a(
+        "--fused-projections",
+        default=None,
+        choices=("on", "off"),
+        help="GDN / KDA mixers: the six projections of the input as one matmul and the three "
+        "short convolutions as one (default off; the same parameters and values up to the "
+        "order of f32 sums)",
+    )
+    a(
         "--remat",
         default=None,
         choices=tuple(REMAT_POLICIES),
@@ -676,6 +685,7 @@ FLAG_FIELDS = {
     "remat": ("model.overrides.remat",),
     "state_pass": ("model.overrides.state_pass",),
     "state_scan_unroll": ("model.overrides.state_scan_unroll",),
+    "fused_projections": ("model.overrides.fused_projections",),
     "steps": ("steps",),
     "batch_size": ("batch_size",),
     "seq_len": ("seq_len",),
@@ -825,6 +835,7 @@ def _from_args(args) -> RunConfig:
         remat=args.remat,
         state_pass=args.state_pass,
         state_scan_unroll=args.state_scan_unroll,
+        fused_projections=onoff[args.fused_projections],
         vocab_size=data_lib.vocab_size(data),
     )
     opt = OptimizerConfig(

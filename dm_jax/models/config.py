@@ -90,6 +90,9 @@ class HybridConfig:
     chunk_size: int = 64
     kda_chunk_size: int = 32  # KDA's chunked form holds [C, C, K] pair decays
     state_pass: str = "auto"  # how the chunked form carries the state across chunks
+    # GDN / KDA: the six projections of a mixer's input as one matmul, its three short
+    # convolutions as one (the same parameters; values equal up to f32 sums' order)
+    fused_projections: bool = False
     state_scan_unroll: int = 1  # the sequential state pass's lax.scan unroll
     # precision scopes: "fp8" | "bf16" (attn_core also "f32" for the reference arm)
     ffn: str = "fp8"

@@ -52,8 +52,12 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
         rngs=rngs,
     )
     builders = {
-        "gdn": lambda: GatedDeltaNet(d, **linear),
-        "kda": lambda: KimiDeltaAttention(d, **dict(linear, chunk_size=cfg.kda_chunk_size)),
+        "gdn": lambda: GatedDeltaNet(d, **linear, fused_projections=cfg.fused_projections),
+        "kda": lambda: KimiDeltaAttention(
+            d,
+            **dict(linear, chunk_size=cfg.kda_chunk_size),
+            fused_projections=cfg.fused_projections,
+        ),
         "mamba2": lambda: Mamba2(
             d,
             head_dim=cfg.mamba_head_dim,

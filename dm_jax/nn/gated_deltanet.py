@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dm_jax.nn.fp8 import Linear, RMSNorm
+from dm_jax.nn.fp8 import Linear, RMSNorm, fused_linear
 from dm_jax.nn.recurrence import check_state_pass, init_dt_bias, init_log_A, run_recurrence
-from dm_jax.nn.sequence import ShortConv
+from dm_jax.nn.sequence import ShortConv, short_conv
+
+QKV = ("q", "k", "v")
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -49,10 +51,20 @@ class ConvQKV(nnx.Module):
         self.H, self.K, self.V = H, K, V
 
     def __call__(self, x_BTD, segment_ids=None):
-        B, T, _ = x_BTD.shape
-        qkv = {
-            n: jax.nn.silu(self.conv[n](self.proj[n](x_BTD), segment_ids)) for n in ("q", "k", "v")
-        }
+        return self.from_projections({n: self.proj[n](x_BTD) for n in QKV}, segment_ids)
+
+    def from_projections(self, proj, segment_ids=None, fused_conv: bool = False):
+        """q, k, v from the projections W_q x, W_k x, W_v x (`proj`: name -> [B, T, width]).
+        `fused_conv`: the three depthwise convolutions as one over their channels side by
+        side (each channel is its own, so the values are the same)."""
+        if fused_conv:
+            kernel = jnp.concatenate([self.conv[n].kernel[...] for n in QKV], axis=1)
+            y = short_conv(jnp.concatenate([proj[n] for n in QKV], axis=-1), kernel, segment_ids)
+            widths = [self.conv[n].kernel.shape[1] for n in QKV]
+            qkv = dict(zip(QKV, jnp.split(jax.nn.silu(y), [widths[0], widths[0] + widths[1]], -1)))
+        else:
+            qkv = {n: jax.nn.silu(self.conv[n](proj[n], segment_ids)) for n in QKV}
+        B, T, _ = proj["q"].shape
         qkv = {n: x.reshape(B, T, self.H, -1) for n, x in qkv.items()}
         return (l2_normalize(qkv["q"]) * self.K**-0.5, l2_normalize(qkv["k"]), qkv["v"])
 
@@ -60,8 +72,12 @@ class ConvQKV(nnx.Module):
 class GatedDeltaNet(nnx.Module):
     """x_BTD -> y_BTD. `impl` picks the chunked (default) or naive recurrence; `chunk_size`,
     `state_pass` and `scan_unroll` configure the chunked one (`recurrent_chunked`).
+    `fused_projections`: the six projections of x (q, k, v, beta and the two gates' inputs)
+    as one matmul and the three short convolutions as one (`fused_linear`; the same
+    parameters, values equal to bf16 rounding).
 
-    Subclasses change the decay gate (`_log_decay`) and output gate (`_output_gate`).
+    Subclasses change the decay gate (`_log_decay`), the output gate (`_output_gate`) and
+    the gates' projections of x (`_gate_inputs`).
     """
 
     def __init__(
@@ -76,12 +92,14 @@ class GatedDeltaNet(nnx.Module):
         chunk_size: int = 64,
         state_pass: str = "sequential",
         scan_unroll: int = 1,
+        fused_projections: bool = False,
         dtype=jnp.bfloat16,
         rngs: nnx.Rngs,
     ):
         check_state_pass(state_pass, scan_unroll)
         H, K, V = num_heads, key_dim, value_dim
         self.H, self.K, self.V = H, K, V
+        self.fused_projections = fused_projections
         self.impl, self.chunk_size = impl, chunk_size
         self.state_pass, self.scan_unroll = state_pass, scan_unroll
         self.qkv = ConvQKV(
@@ -103,23 +121,35 @@ class GatedDeltaNet(nnx.Module):
         self.a_proj, self.g_proj = lin(d_model, self.H), lin(d_model, self.H * self.V)
         self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (self.H,)))
 
-    def _log_decay(self, x_BTD):
+    def _gate_inputs(self) -> dict:
+        """The gates' projections of x, by name (`_log_decay`, `_output_gate` read them)."""
+        return {"a": self.a_proj, "g": self.g_proj}
+
+    def _log_decay(self, proj):
         """log a_t = -exp(A_log) * softplus(W_a x + dt_bias): [B, T, H, 1]."""
-        dt = jax.nn.softplus(self.a_proj(x_BTD).astype(jnp.float32) + self.dt_bias.get_value())
+        dt = jax.nn.softplus(proj["a"].astype(jnp.float32) + self.dt_bias.get_value())
         return (-jnp.exp(self.A_log.get_value()) * dt)[..., None]
 
-    def _output_gate(self, x_BTD):
-        return jax.nn.silu(self.g_proj(x_BTD).astype(jnp.float32))
+    def _output_gate(self, proj):
+        return jax.nn.silu(proj["g"].astype(jnp.float32))
+
+    def _projections(self, x_BTD) -> dict:
+        """Every projection of x, by name: q, k, v, b and the gates' inputs."""
+        linears = {**{n: self.qkv.proj[n] for n in QKV}, "b": self.b_proj, **self._gate_inputs()}
+        if self.fused_projections:
+            return dict(zip(linears, fused_linear(x_BTD, list(linears.values()))))
+        return {n: lin(x_BTD) for n, lin in linears.items()}
 
     def __call__(self, x_BTD: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         B, T, _ = x_BTD.shape
-        q, k, v = self.qkv(x_BTD, segment_ids)
-        beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        proj = self._projections(x_BTD)
+        q, k, v = self.qkv.from_projections(proj, segment_ids, self.fused_projections)
+        beta = jax.nn.sigmoid(proj["b"].astype(jnp.float32))
         o = run_recurrence(
             q,
             k,
             v,
-            self._log_decay(x_BTD),
+            self._log_decay(proj),
             beta,
             delta_rule=True,
             segment_ids=segment_ids,
@@ -128,6 +158,6 @@ class GatedDeltaNet(nnx.Module):
             state_pass=self.state_pass,
             scan_unroll=self.scan_unroll,
         )
-        gate = self._output_gate(x_BTD).reshape(B, T, self.H, self.V)
+        gate = self._output_gate(proj).reshape(B, T, self.H, self.V)
         o = (self.o_norm(o) * gate).astype(x_BTD.dtype).reshape(B, T, self.H * self.V)
         return self.o_proj(o)

@@ -34,12 +34,15 @@ class KimiDeltaAttention(GatedDeltaNet):
         self.g_down, self.g_up = lin(d_model, K), lin(K, H * V)  # output gate, low rank
         self.dt_bias = nnx.Param(init_dt_bias(rngs.params(), (H * K,)))
 
-    def _log_decay(self, x_BTD):
+    def _gate_inputs(self) -> dict:
+        return {"f": self.f_down, "g": self.g_down}  # the low-rank gates' first factors
+
+    def _log_decay(self, proj):
         """log a_t = -exp(A_log_h) * softplus(W_f2 W_f1 x + dt_bias): [B, T, H, K]."""
-        B, T, _ = x_BTD.shape
-        f = self.f_up(self.f_down(x_BTD)).astype(jnp.float32) + self.dt_bias.get_value()
+        B, T, _ = proj["f"].shape
+        f = self.f_up(proj["f"]).astype(jnp.float32) + self.dt_bias.get_value()
         A = jnp.exp(self.A_log.get_value())[:, None]  # [H, 1]
         return -A * jax.nn.softplus(f).reshape(B, T, self.H, self.K)
 
-    def _output_gate(self, x_BTD):
-        return jax.nn.sigmoid(self.g_up(self.g_down(x_BTD)).astype(jnp.float32))
+    def _output_gate(self, proj):
+        return jax.nn.sigmoid(self.g_up(proj["g"]).astype(jnp.float32))

@@ -59,13 +59,19 @@ class ShortConv(nnx.Module):
         self.width = width
 
     def __call__(self, x_BTD: jax.Array, segment_ids_BT: jax.Array | None = None) -> jax.Array:
-        B, T, D = x_BTD.shape
-        w = self.kernel.get_value().astype(x_BTD.dtype)
-        y = x_BTD * w[0]
-        for i in range(1, self.width):
-            xs = jnp.pad(x_BTD, [(0, 0), (i, 0), (0, 0)])[:, :T]  # x_{t-i}
-            if segment_ids_BT is not None:
-                ss = jnp.pad(segment_ids_BT, [(0, 0), (i, 0)], constant_values=-1)[:, :T]
-                xs = jnp.where((ss == segment_ids_BT)[..., None], xs, 0)
-            y = y + xs * w[i]
-        return y
+        return short_conv(x_BTD, self.kernel.get_value(), segment_ids_BT)
+
+
+def short_conv(x_BTD, kernel_WD, segment_ids_BT=None):
+    """`ShortConv`'s convolution with kernel [W, D] (taps, channels) in x's dtype. Each
+    channel is its own: several convolutions run as one on their concatenated channels."""
+    T = x_BTD.shape[1]
+    w = kernel_WD.astype(x_BTD.dtype)
+    y = x_BTD * w[0]
+    for i in range(1, w.shape[0]):
+        xs = jnp.pad(x_BTD, [(0, 0), (i, 0), (0, 0)])[:, :T]  # x_{t-i}
+        if segment_ids_BT is not None:
+            ss = jnp.pad(segment_ids_BT, [(0, 0), (i, 0)], constant_values=-1)[:, :T]
+            xs = jnp.where((ss == segment_ids_BT)[..., None], xs, 0)
+        y = y + xs * w[i]
+    return y
