@@ -390,6 +390,47 @@ def test_document_tiles_are_bitwise_every_tile(causal):
         assert np.isfinite(np.asarray(a)).all(), name
 
 
+def test_dot_pieces_follow_segment_ids_unless_set():
+    """``backward_piece_columns=0`` picks 64-column dots with segment ids, 128 without;
+    a set width wins; no width above MAX_COLUMNS; other widths are refused by name."""
+    assert backward_ops.dot_pieces(0, segments=True) == backward.SEGMENT_PIECES == 64
+    assert backward_ops.dot_pieces(0, segments=False) == backward.MAX_COLUMNS == 128
+    assert backward_ops.dot_pieces(128, segments=True) == 128
+    assert backward_ops.dot_pieces(64, segments=False) == 64
+    assert backward.column_pieces(256, 64) == [(0, 64), (64, 64), (128, 64), (192, 64)]
+    assert backward.column_pieces(192) == [(0, 128), (128, 64)]
+    with pytest.raises(ValueError, match="backward_piece_columns"):
+        config.MosaicConfig(backward_piece_columns=32)
+
+
+@NEEDS_011
+def test_dots_in_64_column_pieces_are_bitwise_128():
+    """The backward's dots into fresh accumulators of 64 columns (the default with segment
+    ids) instead of 128, in Pallas' GPU interpret mode at D=128: out, dQ, dK and dV bit for
+    bit, causal, two documents in a ragged row (each column's sum is formed the same way)."""
+    import dm_jax
+
+    t, d = 192 - 9, 128
+    ks = jax.random.split(jax.random.PRNGKey(7), 4)
+    q, k, v, do = (jax.random.normal(key, (1, t, 1, d)) for key in ks)
+    ids = jnp.asarray(np.repeat([1, 2], [100, t - 100])[None], jnp.int32)
+
+    def run(columns):
+        cfg = config.MosaicConfig(fused_quantize=False, backward_piece_columns=columns)
+
+        def f(q, k, v):
+            return dm_jax.attention(
+                q, k, v, causal=True, segment_ids=ids, implementation="mosaic_interpret", config=cfg
+            )
+
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out,) + vjp(do)
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(0), run(128)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        assert np.isfinite(np.asarray(a)).all() and np.abs(np.asarray(a)).max() > 0, name
+
+
 @NEEDS_011
 def test_pingpong_is_bitwise_the_same():
     """The consumer warpgroups' turns on the tensor cores change when each dot runs, not

@@ -314,17 +314,17 @@ def test_second_signal_stops_a_long_step_at_once(tmp_path):
 
 
 def test_fused_projections_flag_reaches_the_mixers_and_may_change_on_resume(tmp_path):
-    argv = ["--preset", "tiny", "--run-dir", str(tmp_path), "--fused-projections", "on"]
+    argv = ["--preset", "tiny", "--run-dir", str(tmp_path), "--fused-projections", "off"]
     cfg = config_lib.parse_args(argv)
     model = cfg.model.build()
-    assert model.fused_projections
-    assert config_lib.parse_args(["--preset", "tiny"]).model.build().fused_projections is False
+    assert model.fused_projections is False
+    assert config_lib.parse_args(["--preset", "tiny"]).model.build().fused_projections is True
     cfg.save(str(tmp_path))
-    off = config_lib.parse_args(
-        ["--resume", "--run-dir", str(tmp_path), "--fused-projections", "off"]
+    on = config_lib.parse_args(
+        ["--resume", "--run-dir", str(tmp_path), "--fused-projections", "on"]
     )
-    assert off.model.build().fused_projections is False
-    config_lib.check_compatible(cfg, off)  # how the step is computed, not the parameters
+    assert on.model.build().fused_projections is True
+    config_lib.check_compatible(cfg, on)  # how the step is computed, not the parameters
 
 
 def test_cudnn_documents_flag_reaches_the_model_and_may_change_on_resume(tmp_path):

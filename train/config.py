@@ -535,8 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=("on", "off"),
         help="GDN / KDA mixers: the six projections of the input as one matmul and the three "
-        "short convolutions as one (default off; the same parameters and values up to the "
-        "order of f32 sums)",
+        "short convolutions as one (default on: 6.9%% more tokens/s at 569m on the H200; the "
+        "same parameters and values up to the order of f32 sums)",
     )
     a(
         "--remat",

@@ -70,6 +70,12 @@ MAX_HEAD_DIM = 256
 # both (with a fresh dot, 192 registers per thread); wider gradients form their dots in
 # pieces (:func:`column_pieces`), in one launch each or one launch per chunk
 MAX_COLUMNS = 128
+# accumulator columns of one fresh dot in calls with segment ids: the masked steps' ids and
+# compares sit beside the dK and dV accumulators, and a 64-column dot result (32 registers
+# per thread instead of 64) took the D=128 key pass with documents from 2,436 bytes of
+# ptxas spills to 832 and 892 to 604 us on the H200, bitwise the same (docs/mosaic_gpu.md,
+# "Dots in 64-column pieces"); without segment ids 128 stays faster
+SEGMENT_PIECES = 64
 # GQA key pass: query heads per kv head whose loops are written out one after the other
 # (a loop over the heads around them spilled 784-924 bytes on the H200 and ran 1.6-1.8x
 # slower at 2 heads per kv head; docs/mosaic_gpu.md)
@@ -240,23 +246,25 @@ def _register_dot(a8, b_ref, shape, interpret, a_smem, staged=False):
 
 def _accumulate(accs, a8, bt_ref, factor, interpret, a_smem):
     """accs[n] + (a8 @ bt_ref[cols_n]^T) * factor for each piece n of the accumulator's
-    columns (:func:`column_pieces`): one fresh f32 accumulator of at most MAX_COLUMNS
-    columns at a time, so a launch holds up to MAX_HEAD_DIM columns (``bt_ref``: the
+    columns (:func:`column_pieces`, the pieces' widths): one fresh f32 accumulator of one
+    piece at a time, so a launch holds up to MAX_HEAD_DIM columns (``bt_ref``: the
     K-major operand, one row per accumulator column). Each column's sum is the one a
     launch of that piece alone forms. ``factor(shape)``: the tile's descale."""
-    out = []
-    for n, ((lo, width), acc) in enumerate(zip(column_pieces(bt_ref.shape[0]), accs)):
+    out, lo = [], 0
+    for n, acc in enumerate(accs):
+        width = acc.shape[1]
         b_ref = bt_ref.at[pl.ds(lo, width)].T if len(accs) > 1 else bt_ref.T
         part = _register_dot(a8, b_ref, (TILE, width), interpret, a_smem, staged=n > 0)
         out.append(acc + part * factor(part.shape))
+        lo += width
     return tuple(out)
 
 
-def _zero_pieces(cols: int):
+def _zero_pieces(cols: int, width):
     """Zeroed accumulators for ``cols`` columns, one per :func:`column_pieces` piece."""
     return tuple(
         plgpu.layout_cast(jnp.zeros((TILE, w), F32), plgpu.Layout.WGMMA)
-        for _, w in column_pieces(cols)
+        for _, w in column_pieces(cols, width)
     )
 
 
@@ -264,33 +272,35 @@ def _store_pieces(accs, bufs, dst, out_dtype):
     """The accumulator pieces to global memory, ``dst(first, count)`` the destination of a
     piece's columns; ``bufs`` one staging tile per piece, or a single one that every piece
     reuses once the previous piece's copy has read it (equal widths: less shared memory)."""
-    cols = column_pieces(sum(acc.shape[1] for acc in accs))
-    for n, ((lo, width), acc) in enumerate(zip(cols, accs)):
+    lo = 0
+    for n, acc in enumerate(accs):
+        width = acc.shape[1]
         buf = bufs[n] if len(bufs) > 1 else bufs[0]
         if n and len(bufs) == 1:
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         buf[...] = acc.astype(out_dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(buf, dst(lo, width))
+        lo += width
 
 
-def _staging_widths(cols: int) -> list[int]:
-    """Columns of each staging tile :func:`_store_pieces` writes ``cols`` columns through:
-    one per piece, or a single one when every piece has its width."""
-    widths = [w for _, w in column_pieces(cols)]
+def _staging_widths(cols: int, width) -> list[int]:
+    """Columns of each staging tile :func:`_store_pieces` writes ``cols`` columns through
+    (pieces of ``width``): one per piece, or a single one when every piece has its width."""
+    widths = [w for _, w in column_pieces(cols, width)]
     return widths[:1] if len(set(widths)) == 1 else widths
 
 
-def _staging(cols: int, out_dtype, lead=(WARPGROUPS,)):
+def _staging(cols: int, out_dtype, width, lead=(WARPGROUPS,)):
     """The shared-memory tiles :func:`_store_pieces` writes through for ``cols`` columns."""
     return tuple(
         plgpu.SMEM(lead + (TILE, w), out_dtype, transforms=out_transforms(out_dtype))
-        for w in _staging_widths(cols)
+        for w in _staging_widths(cols, width)
     )
 
 
-def _staging_bytes(cols: int, itemsize: int) -> int:
-    return TILE * sum(_staging_widths(cols)) * itemsize
+def _staging_bytes(cols: int, itemsize: int, width) -> int:
+    return TILE * sum(_staging_widths(cols, width)) * itemsize
 
 
 def _transposed_operand(ds8t, ds_t_smem, to_operand):
@@ -374,6 +384,7 @@ def query_pass(
     dq_cols=None,
     longest_first: bool = False,
     doc_tiles=None,
+    pieces=None,
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -389,13 +400,15 @@ def query_pass(
         (``want="delta"``, which forms no dS: one K and one V scale block per step).
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
       dq_cols: (first, count): the columns of dQ this launch forms (default all, at most
-        MAX_HEAD_DIM, in pieces of MAX_COLUMNS: :func:`_accumulate`); S and dP^ always
-        contract the whole head dims.
+        MAX_HEAD_DIM, in pieces of ``pieces`` columns: :func:`_accumulate`); S and dP^
+        always contract the whole head dims.
       longest_first: causal only: the query tiles that see the most keys launch first
         (:func:`.forward.query_tile`).
       doc_tiles: [B, Tp / 64, 32] int32 (segments only; :func:`.documents.query_tiles` with
         ``key_tile``): per 64 query rows, the key tiles [first, stop) wholly inside the
         rows' document; they take the unmasked path (the same results).
+      pieces: columns of each fresh dQ dot's accumulator (default MAX_COLUMNS), as in
+        :func:`key_pass`.
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, count] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -416,8 +429,8 @@ def query_pass(
     if want_dq and not 0 < cq <= MAX_HEAD_DIM:
         raise ValueError(f"dq_cols: 1-{MAX_HEAD_DIM} columns, got {cq}")
     cq = cq if want_dq else 0
-    n_dq = len(column_pieces(cq))  # dQ's accumulator pieces, first in the loop's carry
-    stages = fitting(stages, lambda n: query_pass_smem(n, dqk, dv, cq, key_tile, out_dtype))
+    n_dq = len(column_pieces(cq, pieces))  # dQ's accumulator pieces, first in the carry
+    stages = fitting(stages, lambda n: query_pass_smem(n, dqk, dv, cq, key_tile, out_dtype, pieces))
     group = hq // hkv
     n_k = sp // key_tile
     if key_tile != TILE:  # each step's decode factors and poison as rows of key_tile
@@ -531,7 +544,7 @@ def query_pass(
 
             row_zeros = plgpu.layout_cast(jnp.zeros((TILE,), F32), ROW)
             if want_dq:
-                init = _zero_pieces(cq) + (row_zeros,) * (4 * with_stats)
+                init = _zero_pieces(cq, pieces) + (row_zeros,) * (4 * with_stats)
             else:
                 init = row_zeros
             turns.start()
@@ -598,7 +611,7 @@ def query_pass(
 
     def dm_fp8_attention_query_pass_mosaic(*refs):  # the kernel's name in profiles
         if want_dq:
-            out_smem = _staging(cq, out_dtype)
+            out_smem = _staging(cq, out_dtype, pieces)
         else:
             out_smem = plgpu.SMEM((WARPGROUPS, TILE), F32)
         smem = (
@@ -673,6 +686,7 @@ def key_pass(
     kt8=None,
     unrolled_heads: int = MAX_UNROLLED_HEADS,
     doc_tiles=None,
+    pieces=None,
 ):
     """dK and dV, summed over each kv head's query heads; with ``kt8`` also dQ's columns
     ``dk_cols``, added into an f32 dQ tile by tile (:func:`_reduce_dq`).
@@ -688,7 +702,7 @@ def key_pass(
       dk_cols, dv_cols: (first, count): the columns of dK and of dV this launch forms
         (default all). A count of 0 for dV forms dK alone, one for dK dV alone (no dP^T,
         no dS: S^T and the dV dot only). Alone, either takes up to MAX_HEAD_DIM columns
-        (in pieces of MAX_COLUMNS: :func:`_accumulate`); together, MAX_COLUMNS each. S^T
+        (in pieces of ``pieces``: :func:`_accumulate`); together, MAX_COLUMNS each. S^T
         and dP^T always contract the whole head dims; each column's sums are those of a
         launch with every column.
       kt8 [B, Hkv, Dqk, Sp]: K's permuted K-major copy; given, the pass also forms dQ
@@ -703,6 +717,8 @@ def key_pass(
       doc_tiles: [B, Sp / 64, 32] int32 (segments only; :func:`.documents.key_tiles`): per
         64 keys, the query tiles [first, stop) wholly inside the keys' document (and,
         causal, after them); each head's steps over them take the unmasked path.
+      pieces: columns of each fresh dot's accumulator (default MAX_COLUMNS; at most that):
+        narrower pieces hold fewer registers beside dK and dV (SEGMENT_PIECES), the same bits.
     Returns:
       dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
       layout), None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
@@ -719,7 +735,9 @@ def key_pass(
         )
     if want_dq and not (want_dk and ck <= MAX_COLUMNS):
         raise ValueError(f"kt8 (dQ in the key pass) needs 1-{MAX_COLUMNS} dK columns, got {ck}")
-    stages = fitting(stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype, want_dq))
+    stages = fitting(
+        stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype, want_dq, pieces)
+    )
     group = hq // hkv
     n_q = tp // TILE
     every_tile = mask.segments or _padded(mask, tp, sp)
@@ -878,7 +896,7 @@ def key_pass(
                 )
 
             turns.start()
-            init = (_zero_pieces(ck) if want_dk else None, _zero_pieces(cv) if want_dv else None)
+            init = tuple(_zero_pieces(n, pieces) if n else None for n in (ck, cv))
             if group <= unrolled_heads:  # one after the other: no loop around the loops
                 carry = init
                 for g in range(group):
@@ -937,8 +955,8 @@ def key_pass(
 
     def dm_fp8_attention_key_pass_mosaic(*refs):  # the kernel's name in profiles
         outs = (
-            _staging(ck, out_dtype) if want_dk else None,
-            _staging(cv, out_dtype) if want_dv else None,
+            _staging(ck, out_dtype, pieces) if want_dk else None,
+            _staging(cv, out_dtype, pieces) if want_dv else None,
         )
         if want_dq:
             stage = plgpu.SMEM((WARPGROUPS, TILE, ck), F32, transforms=out_transforms(F32))
@@ -1011,11 +1029,13 @@ def key_pass(
     return dk, dv_out
 
 
-def column_pieces(d: int) -> list[tuple[int, int]]:
-    """(first, count) of the accumulator pieces of ``d`` columns: one up to MAX_COLUMNS,
-    else pieces of MAX_COLUMNS and the rest (256: two of 128; 192: 128 and 64). Each piece
-    is one fresh accumulator of a launch's dot (:func:`_accumulate`)."""
-    return [(lo, min(MAX_COLUMNS, d - lo)) for lo in range(0, d, MAX_COLUMNS)]
+def column_pieces(d: int, width=None) -> list[tuple[int, int]]:
+    """(first, count) of the accumulator pieces of ``d`` columns: one up to ``width``
+    (default MAX_COLUMNS), else pieces of ``width`` and the rest (256 by 128: two of 128;
+    192: 128 and 64). Each piece is one fresh accumulator of a launch's dot
+    (:func:`_accumulate`)."""
+    width = width or MAX_COLUMNS
+    return [(lo, min(width, d - lo)) for lo in range(0, d, width)]
 
 
 def column_chunks(d: int) -> list[tuple[int, int]]:
@@ -1054,14 +1074,21 @@ def query_pass_launches(dqk: int, wide: str = "per_gradient") -> list[tuple[int,
 
 
 def key_pass_smem(
-    stages: int, dqk: int, dv: int, ck: int, cv: int, out_dtype, with_dq: bool = False
+    stages: int,
+    dqk: int,
+    dv: int,
+    ck: int,
+    cv: int,
+    out_dtype,
+    with_dq: bool = False,
+    pieces=None,
 ) -> int:
     """Shared memory of a key-pass CTA forming ck columns of dK and cv of dV: K, V and the
     output staging per consumer warpgroup, Q, Q^T's ck rows, dO (with dK), dO^T's cv rows
     per stage. ``with_dq``: also K^T's ck rows and the 16-bit dS^ transpose per warpgroup,
     and the f32 dQ staging where it outgrows the output tiles it shares memory with."""
     out = jnp.dtype(out_dtype).itemsize
-    outs = sum(_staging_bytes(cols, out) for cols in (ck, cv) if cols)
+    outs = sum(_staging_bytes(cols, out, pieces) for cols in (ck, cv) if cols)
     if with_dq:
         outs = max(outs, TILE * ck * 4) + ck * TILE + TILE * TILE * 2
     per_wg = TILE * (dqk + dv) + outs + 3 * TILE * 4 + TILE * TILE
@@ -1079,11 +1106,13 @@ def dq_in_key_pass_fits(dqk: int, dv: int, out_dtype) -> bool:
     )
 
 
-def query_pass_smem(stages: int, dqk: int, dv: int, cq: int, key_tile: int, out_dtype) -> int:
+def query_pass_smem(
+    stages: int, dqk: int, dv: int, cq: int, key_tile: int, out_dtype, pieces=None
+) -> int:
     """Shared memory of a query-pass CTA (cq columns of dQ; 0 for the delta pass): Q, dO,
     the row data and the output tile per consumer warpgroup, K, V, K^T's cq rows per stage."""
     out = jnp.dtype(out_dtype).itemsize
-    staging = _staging_bytes(cq, out) if cq else TILE * 4
+    staging = _staging_bytes(cq, out, pieces) if cq else TILE * 4
     per_wg = TILE * (dqk + dv) + ROWS * TILE * 4 + staging + 4 * TILE * 4
     per_wg += TILE * TILE + REDUCTION_SCRATCH * 4
     per_stage = key_tile * (dqk + dv) + cq * TILE + 3 * key_tile * 4 + key_tile * 4

@@ -102,6 +102,7 @@ def operands(
     wide_launches="per_gradient",
     longest_first=False,
     document_tiles=False,
+    piece_columns=0,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
@@ -124,7 +125,12 @@ def operands(
             keys=documents.key_tiles(*segments, mask),
         )
     kwargs = dict(
-        mask=mask, sm_scale=spec.sm_scale, stages=stages, interpret=interpret, pingpong=pingpong
+        mask=mask,
+        sm_scale=spec.sm_scale,
+        stages=stages,
+        interpret=interpret,
+        pingpong=pingpong,
+        pieces=dot_pieces(piece_columns, bool(segments)),
     )
     b, hkv = k8.inv_rows.shape[:2]
     # each 128-key block's factors (repeated over 64 rows) once per 64-key tile
@@ -148,6 +154,13 @@ def operands(
         longest_first,
         doc_tiles,
     )
+
+
+def dot_pieces(piece_columns: int, segments: bool) -> int:
+    """Columns of each fresh dot in the backward passes: ``piece_columns``, or for 0 the
+    measured choice, SEGMENT_PIECES with segment ids and MAX_COLUMNS without (never more)."""
+    auto = kernels.SEGMENT_PIECES if segments else kernels.MAX_COLUMNS
+    return min(piece_columns or auto, kernels.MAX_COLUMNS)
 
 
 def query_rows(ops: Operands, delta_p):

@@ -77,7 +77,13 @@ class MosaicConfig:
     the same (checked on the H200, forward and gradients); the forward, both query passes
     and the key pass read their bounds from small int32 arrays computed in XLA. On the
     H200, the 569m layer at 8 x 4096 with documents of 1,500 tokens took 2.56 ms instead of
-    4.15 fwd+bwd (docs/mosaic_gpu.md, "Document tiles"). ``False``: every tile, masked."""
+    4.15 fwd+bwd (docs/mosaic_gpu.md, "Document tiles"). ``False``: every tile, masked.
+    ``backward_piece_columns``: columns of each fresh FP8 dot's f32 accumulator in the
+    backward passes (dK, dV, dQ; 64 or 128). 0 (default): 64 in calls with segment ids,
+    128 without, as measured on the H200: with documents the 64-column pieces hold half
+    the registers beside the dK and dV accumulators and took the D=128 key pass from 892
+    to 604 us (ptxas spills 2,436 -> 832 bytes), without segment ids they cost 2-4%
+    (docs/mosaic_gpu.md, "Dots in 64-column pieces"). The results are bitwise the same."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -92,6 +98,7 @@ class MosaicConfig:
     backward_dq: str = "pass"
     backward_wide_launches: str = "per_gradient"
     causal_order: str = "longest_first"
+    backward_piece_columns: int = 0
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):
@@ -109,6 +116,11 @@ class MosaicConfig:
         if self.causal_order not in CAUSAL_ORDERS:
             choices = " or ".join(map(repr, CAUSAL_ORDERS))
             raise ValueError(f"causal_order must be {choices}, got {self.causal_order!r}")
+        if self.backward_piece_columns not in (0, 64, 128):
+            raise ValueError(
+                f"backward_piece_columns must be 0 (auto), 64 or 128, got "
+                f"{self.backward_piece_columns}"
+            )
         if self.delta_key_tile not in (64, 128):
             raise ValueError(f"delta_key_tile must be 64 or 128, got {self.delta_key_tile}")
 

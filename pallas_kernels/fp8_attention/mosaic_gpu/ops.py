@@ -128,6 +128,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         wide_launches=config.backward_wide_launches,
         longest_first=_longest_first(config),
         document_tiles=config.document_tiles,
+        piece_columns=config.backward_piece_columns,
     )
 
 
