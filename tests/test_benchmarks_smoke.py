@@ -363,3 +363,24 @@ def test_layer_kernels_adds_up_stream_kernels_by_kind():
     }
     assert got["kernel_us"] == 1920.0 and got["launches_per_step"] == 6
     assert [x["us"] for x in got["launches"]] == [2 * d for _, d in one_step]
+
+
+def test_cta_overhead_fit_recovers_the_fixed_and_per_step_costs():
+    """benchmarks/cta_overhead.py: the CTA counts of its equal-work shapes, and the fit of
+    time = CTAs / SMs x (once + per_step x steps) recovering known costs (and failing to
+    fit times that do not follow it: a visible residual)."""
+    from benchmarks import cta_overhead
+    from pallas_kernels.fp8_attention.arg_specs import Case
+
+    case = Case("T512", 256, 512, 512, 16, 16, 128, 128)
+    assert cta_overhead.cta_counts(case, 128, 128) == (256 * 16 * 4, 4)
+    assert cta_overhead.cta_counts(case, 128, 64) == (256 * 16 * 4, 8)
+    rows = [
+        dict(ctas=c, steps=s, ms=c / 132 * (2.8 + 1.9 * s) / 1e3)
+        for c, s in ((16384, 4), (8192, 8), (4096, 16), (2048, 32))
+    ]
+    got = cta_overhead.fit(rows, 132)
+    assert got["once_us"] == pytest.approx(2.8) and got["per_step_us"] == pytest.approx(1.9)
+    assert got["worst_rel_residual"] < 1e-9
+    rows[0]["ms"] *= 1.5
+    assert cta_overhead.fit(rows, 132)["worst_rel_residual"] > 0.05
