@@ -169,13 +169,14 @@ def test_auto_scan_takes_the_unrolled_step_where_it_fits(monkeypatch):
         memory.check_or_remat(auto, model_lib.build_hybrid)
 
 
-# Peaks of the unrolled step on the H200 (summary.json's peak_device_bytes, 2026-12-02,
-# docs/training.md "The memory estimate on the GPU"): (preset, batch, T) -> the largest of
-# the runs (cudnn_bf16 and matched arms).
+# Peaks of the unrolled step on the H200 (summary.json's peak_device_bytes, 2026-12-02 and
+# 2026-12-03, docs/training.md "The memory estimate on the GPU"): (preset, batch, T) -> the
+# largest of the runs (cudnn_bf16 and matched arms; cuDNN's packed sequences and the fused
+# GDN projections, the defaults since, raised them from 82.5, 82.8 and 28.5 GB).
 H200_UNROLLED_PEAKS_GB = {
-    ("569m", 8, 4096): 82.5,
-    ("569m", 4, 8192): 82.8,
-    ("small", 8, 8192): 28.5,
+    ("569m", 8, 4096): 92.1,
+    ("569m", 4, 8192): 89.0,
+    ("small", 8, 8192): 35.6,
 }
 
 
@@ -194,7 +195,8 @@ def test_gpu_estimate_of_the_unrolled_step_covers_the_measured_peak(
     need = {c: memory.estimate(c, model_lib.build_hybrid, gpu=True) for c in (flat, scanned)}
     peak = H200_UNROLLED_PEAKS_GB[(preset, batch, seq_len)] * GB
     assert peak <= need[flat].total - need[flat].runtime and need[flat].total <= 1.25 * peak
+    factor = memory.GPU_UNROLLED_ACTIVATIONS
     monkeypatch.setattr(memory, "GPU_UNROLLED_ACTIVATIONS", 1.0)
     cpu_fit = {c: memory.estimate(c, model_lib.build_hybrid, gpu=True) for c in (flat, scanned)}
-    assert need[flat].activations == pytest.approx(0.7 * cpu_fit[flat].activations)
+    assert need[flat].activations == pytest.approx(factor * cpu_fit[flat].activations)
     assert need[scanned].activations == pytest.approx(cpu_fit[scanned].activations)
