@@ -45,6 +45,10 @@
 #                                          # (benchmarks/layer_kernels.py): the 569m layer and
 #                                          # small at 8 x 8192 with documents against cuDNN's
 #                                          # packed path, the main shape against cuDNN BF16
+#   bash benchmarks/h200_mosaic.sh variants # the layers with documents under the backward's
+#                                          # variants (benchmarks/key_pass_variants.py:
+#                                          # ptxas spills, kernel split, bits) and the
+#                                          # CTA fixed-cost fit (benchmarks/cta_overhead.py)
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
 #                                          # (memory throughput, registers, stalls, SASS hotspots;
 #                                          # QWARPS=8: at 8 warps per program)
@@ -233,8 +237,25 @@ qprofile)
   grep -A22 "share by opcode" "$W/quantize.hot.txt" | cut -c1-150
   gzip -f "$W/quantize.sass.csv"; rm -f "$W/quantize.ncu-rep"
   ;;
+variants)
+  # ptxas' spills (MOSAIC_GPU_DUMP_PTXAS=1) and the kernel split of the layers with
+  # documents under the backward's variants; the equal-work CTA fit
+  for spec in small_t8192_docs:1:default,pieces128,masked_documents \
+      h569m_t4096_docs:1:default,pieces128 d256:0:pieces128,pieces64; do
+    IFS=: read -r name causal variants <<< "$spec"
+    mkdir -p "$W/$name"
+    MOSAIC_GPU_DUMP_PTXAS=1 timeout 150 python3 benchmarks/key_pass_variants.py --shape "$name" \
+      --causal "$causal" --variants "$variants" --out "$W/$name" > "$W/$name/log" 2>&1
+    echo "$name: exit $?"
+    grep "=== variant\|spill stores" "$W/$name/log" | grep -v "^    " | cut -c1-150
+    grep "^|" "$W/$name/log"
+  done
+  timeout 150 python3 benchmarks/cta_overhead.py --out "$W" > "$W/cta_overhead.log" 2>&1
+  echo "cta_overhead: exit $?"
+  tail -6 "$W/cta_overhead.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants" >&2
   exit 2
   ;;
 esac

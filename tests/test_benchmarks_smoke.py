@@ -384,3 +384,24 @@ def test_cta_overhead_fit_recovers_the_fixed_and_per_step_costs():
     assert got["worst_rel_residual"] < 1e-9
     rows[0]["ms"] *= 1.5
     assert cta_overhead.fit(rows, 132)["worst_rel_residual"] > 0.05
+
+
+def test_key_pass_variants_patch_the_backward_only_inside_their_block():
+    """benchmarks/key_pass_variants.py: ``masked_documents`` swaps the backward's document
+    loops for one masked loop over the same steps (in order), and puts them back after."""
+    from benchmarks import key_pass_variants
+    from pallas_kernels.fp8_attention.mosaic_gpu import backward
+
+    original = backward.document_loops
+    with key_pass_variants.patched("masked_documents"):
+        assert backward.document_loops is key_pass_variants.masked_loops
+    assert backward.document_loops is original
+    with key_pass_variants.patched("pieces64"):  # a config variant: nothing patched
+        assert backward.document_loops is original
+
+    seen = jax.jit(  # fori_loop traces the step once: record its flag, run the indices
+        lambda: key_pass_variants.masked_loops(
+            lambda j, c, masked: c.at[j].set(j + 100 * masked), (2, 3, 5, 7), jnp.zeros(8, int)
+        )
+    )()
+    assert seen.tolist() == [0, 0, 102, 103, 104, 105, 106, 0]
