@@ -28,6 +28,7 @@
 #   bash benchmarks/h200_compile_speed.sh fused ARM     # 569m unrolled, --fused-projections off
 #                                                       # then on (the GDN input projections as
 #                                                       # one matmul, the convs as one)
+#   bash benchmarks/h200_compile_speed.sh ffn ARM       # 569m unrolled, --ffn fp8 then bf16
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
@@ -162,6 +163,14 @@ pairs)
   done
   python3 benchmarks/memory_calibration.py "${dirs[@]}" --out "$OUT" | tee "$OUT/pairs-$T.md"
   ;;
+ffn)
+  # the FFN's matmuls in FP8 (the default) against bf16: the profile's FP8 casts and
+  # amaxes (18 ms of a 326 ms step) against the FP8 dots' gain
+  for ffn in fp8 bf16; do
+    run "$ARM-ffn-$ffn" $SIZE $QUIET --attention "$ARM" --compile-cache off \
+      --scan-layers off --skip-memory-check --ffn $ffn
+  done
+  ;;
 fused)
   for fused in off on; do
     run "$ARM-fused-$fused" $SIZE $QUIET --attention "$ARM" --compile-cache off \
@@ -176,7 +185,7 @@ statepass)
   done
   ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan|fused ARM | memory SIZE | pairs T | long | statepass" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan|fused|ffn ARM | memory SIZE | pairs T | long | statepass" >&2
   exit 2
   ;;
 esac

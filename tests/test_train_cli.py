@@ -9,10 +9,13 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dm_jax.nn import fp8
 from train import config as config_lib
+from train import model as model_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -232,6 +235,17 @@ def test_presets_and_arms_resolve():
     assert tiny.model_config.fp8_scaling == "per_token"
     per_tensor = config_lib.parse_args(["--run-dir", "x", "--fp8-scaling", "per_tensor"])
     assert per_tensor.model_config.fp8_scaling == "per_tensor"
+    assert tiny.model_config.ffn == "fp8"
+    bf16_ffn = config_lib.parse_args(["--run-dir", "x", "--ffn", "bf16"])
+    assert bf16_ffn.model_config.ffn == "bf16"
+    x = jnp.ones((1, 8), jnp.int32)
+    fp8_dots = {
+        name: fp8.fp8_dot_count(jax.make_jaxpr(lambda x, m=model_lib.build_hybrid(cfg): m(x))(x))
+        for name, cfg in (("fp8", tiny), ("bf16", bf16_ffn))
+    }
+    assert fp8_dots["bf16"] < fp8_dots["fp8"]  # the FFN's dots left FP8, attention's did not
+    with pytest.raises(ValueError, match="--ffn"):  # other math: a new run, not a resume
+        config_lib.check_compatible(tiny, bf16_ffn)
     # Arms differ only in the attention override: same seed, data and everything else.
     a, b = tiny, config_lib.parse_args(["--run-dir", "x", "--attention", "reference"])
     diff = {k for k in a.compat_dict() if a.compat_dict()[k] != b.compat_dict()[k]}

@@ -492,6 +492,14 @@ def build_parser() -> argparse.ArgumentParser:
         "default: per_token (causal); per_tensor for comparison",
     )
     a(
+        "--ffn",
+        default=None,
+        choices=("fp8", "bf16"),
+        help="precision of the SwiGLU FFN matmuls: fp8 (default, the paper's recipe; per-token "
+        "current scales, FP8 forward and backward dots) or bf16; a run keeps its choice on "
+        "--resume",
+    )
+    a(
         "--cudnn-documents",
         default=None,
         choices=DOCUMENT_MODES,
@@ -679,6 +687,7 @@ FLAG_FIELDS = {
     "rope": ("model.overrides.rope",),
     "head_dim": ("model.overrides.head_dim",),
     "fp8_scaling": ("model.overrides.fp8_scaling",),
+    "ffn": ("model.overrides.ffn",),
     "cudnn_documents": ("model.overrides.cudnn_documents",),
     "mixer_impl": ("model.overrides.mixer_impl",),
     "scan_layers": ("model.overrides.scan_layers", "scan_choice"),
@@ -829,6 +838,7 @@ def _from_args(args) -> RunConfig:
         rope=onoff[args.rope],
         head_dim=args.head_dim,
         fp8_scaling=args.fp8_scaling,
+        ffn=args.ffn,
         cudnn_documents=args.cudnn_documents,
         mixer_impl=args.mixer_impl or default_mixer_impl(),
         scan_layers=args.scan_layers == "on",  # "auto" starts unrolled (check_or_remat)
