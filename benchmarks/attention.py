@@ -99,6 +99,11 @@ def arms(case: Case, implementation="pallas"):
         out[f"mosaic_fp8_{delta}_every_tile"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(document_tiles=False)
         )
+        # Q, K, V quantized by the forward with the backward's own calls, which XLA may
+        # then run once for both (MosaicConfig.shared_quantize; not the default)
+        out[f"mosaic_fp8_{delta}_shared_quantize"] = ours(
+            delta, "fp8", backend="mosaic", config=MosaicConfig(shared_quantize=True)
+        )
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)

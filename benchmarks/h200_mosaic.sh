@@ -48,7 +48,8 @@
 #   bash benchmarks/h200_mosaic.sh variants # the layers with documents under the backward's
 #                                          # variants (benchmarks/key_pass_variants.py:
 #                                          # ptxas spills, kernel split, bits) and the
-#                                          # CTA fixed-cost fit (benchmarks/cta_overhead.py)
+#                                          # CTA fixed-cost fit (benchmarks/cta_overhead.py);
+#                                          # shared_quantize's launches and time
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
 #                                          # (memory throughput, registers, stalls, SASS hotspots;
 #                                          # QWARPS=8: at 8 warps per program)
@@ -250,6 +251,13 @@ variants)
     grep "=== variant\|spill stores" "$W/$name/log" | grep -v "^    " | cut -c1-150
     grep "^|" "$W/$name/log"
   done
+  # Q, K, V quantized once per step if XLA merges the forward's and backward's calls:
+  # the launches per step (7 quantize launches without) and the time
+  timeout 150 python3 benchmarks/layer_kernels.py --shape small_t8192_docs --causal 1 \
+    --arms mosaic_fp8_matched,mosaic_fp8_matched_shared_quantize --out "$W" \
+    > "$W/shared_quantize.log" 2>&1
+  echo "shared_quantize: exit $?"
+  grep "^|" "$W/shared_quantize.log"
   timeout 150 python3 benchmarks/cta_overhead.py --out "$W" > "$W/cta_overhead.log" 2>&1
   echo "cta_overhead: exit $?"
   tail -6 "$W/cta_overhead.log"

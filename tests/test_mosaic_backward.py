@@ -432,6 +432,43 @@ def test_dots_in_64_column_pieces_are_bitwise_128():
 
 
 @NEEDS_011
+def test_shared_quantize_makes_the_forward_calls_the_backward_calls(monkeypatch):
+    """``shared_quantize``: the forward quantizes Q, K and V with exactly the backward's
+    calls (same input, same outputs asked for), so XLA can run each once; without it the
+    calls differ. Out, lse and the gradients are bitwise the same either way (interpret
+    mode, causal GQA with a ragged length)."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops, quantize_kernel
+
+    b, t, hq, hkv, d = 1, 130, 2, 1, 64
+    q, k, v, do = _gqa_inputs(3, b, t, hq, hkv, d)
+    spec = _spec(causal=True)
+    real = quantize_kernel.xla_pass.quantize
+    calls = []
+
+    def record(x, **kw):
+        calls.append((x, kw.get("values", True), kw.get("k_major", False)))
+        return real(x, **kw)
+
+    monkeypatch.setattr(quantize_kernel.xla_pass, "quantize", record)
+    results = {}
+    for shared in (False, True):
+        calls.clear()
+        cfg = config.MosaicConfig(fused_quantize=False, shared_quantize=shared)
+        fwd = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+        n_fwd = len(calls)
+        grads = ops.backward(q, k, v, fwd.out, fwd.lse, do, spec=spec, config=cfg, interpret=True)
+        fwd_calls, bwd_calls = calls[:n_fwd], calls[n_fwd:]
+        twins = [
+            [c[1:] for c in side if c[0] is x] for x in (q, k, v) for side in (fwd_calls, bwd_calls)
+        ]
+        same = all(twins[i] == twins[i + 1] and len(twins[i]) == 1 for i in range(0, 6, 2))
+        assert same == shared, (shared, twins)
+        results[shared] = (fwd.out, fwd.lse, grads.dq, grads.dk, grads.dv)
+    for name, a, c in zip(("out", "lse", "dq", "dk", "dv"), results[False], results[True]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
+
+
+@NEEDS_011
 def test_pingpong_is_bitwise_the_same():
     """The consumer warpgroups' turns on the tensor cores change when each dot runs, not
     what it computes: delta, dQ, dK, dV and the dS row statistics bitwise equal without

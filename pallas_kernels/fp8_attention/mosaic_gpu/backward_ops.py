@@ -103,10 +103,11 @@ def operands(
     longest_first=False,
     document_tiles=False,
     piece_columns=0,
+    shared_quantize=False,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
-    q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
-    v8, do8 = quantize(v), quantize(do, k_major=True)
+    q8, k8, v8 = quantize_all(quantize, q, k, v, shared_quantize)
+    do8 = quantize(do, k_major=True)
     tp, sp = q8.values.shape[2], k8.values.shape[2]
     segments = ()
     if q_ids is not None:
@@ -154,6 +155,14 @@ def operands(
         longest_first,
         doc_tiles,
     )
+
+
+def quantize_all(quantize, q, k, v, shared: bool):
+    """The backward's Q, K (values and permuted K-major copies) and V (values). ``shared``:
+    V's permuted K-major copy too, so these three calls are exactly the forward's
+    (``MosaicConfig.shared_quantize``) and XLA may run each once for both."""
+    q8, k8 = quantize(q, k_major=True), quantize(k, k_major=True)
+    return q8, k8, quantize(v, k_major=shared)
 
 
 def dot_pieces(piece_columns: int, segments: bool) -> int:

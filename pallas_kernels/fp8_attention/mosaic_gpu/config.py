@@ -83,7 +83,13 @@ class MosaicConfig:
     128 without, as measured on the H200: with documents the 64-column pieces hold half
     the registers beside the dK and dV accumulators and took the D=128 key pass from 892
     to 604 us (ptxas spills 2,436 -> 832 bytes), without segment ids they cost 2-4%
-    (docs/mosaic_gpu.md, "Dots in 64-column pieces"). The results are bitwise the same."""
+    (docs/mosaic_gpu.md, "Dots in 64-column pieces"). The results are bitwise the same.
+    ``shared_quantize``: where the Mosaic backward runs, the forward quantizes Q, K and V
+    with exactly the backward's calls (values and permuted K-major copies of all three), so
+    that XLA can merge each forward call with its backward twin (identical side-effect-free
+    custom calls on the same inputs) instead of quantizing Q, K and V twice per step. It
+    pays only if XLA does merge them (else the forward writes copies it does not read);
+    off until timed on the H200. The results are bitwise the same."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -99,6 +105,7 @@ class MosaicConfig:
     backward_wide_launches: str = "per_gradient"
     causal_order: str = "longest_first"
     backward_piece_columns: int = 0
+    shared_quantize: bool = False
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):

@@ -32,9 +32,13 @@ def _longest_first(config: MosaicConfig) -> bool:
     return config.causal_order == "longest_first"
 
 
-def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False):
-    """(Q, K, V) for the forward: values of Q and K, the permuted K-major copy of V."""
+def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False, shared=False):
+    """(Q, K, V) for the forward: values of Q and K, the permuted K-major copy of V.
+    ``shared``: the backward's calls instead (:func:`.backward_ops.quantize_all`), which
+    also form what the forward does not read (``MosaicConfig.shared_quantize``)."""
     quantize = quantize_kernel.quantizer(config.fused_quantize, interpret, config.quantize_warps)
+    if shared:
+        return backward_ops.quantize_all(quantize, q, k, v, shared=True)
     return quantize(q), quantize(k), quantize(v, values=False, k_major=True)
 
 
@@ -66,7 +70,8 @@ def forward(
     rounding); the emulation with ``block_k=128`` describes this kernel tile for tile.
     """
     t, s = q.shape[1], k.shape[1]
-    q8, k8, v8 = quantize_operands(q, k, v, config, interpret)
+    shared = config.shared_quantize and _mosaic_backward(q, v, spec, config)
+    q8, k8, v8 = quantize_operands(q, k, v, config, interpret, shared)
     tp, sp = q8.values.shape[2], k8.values.shape[2]
     segments = q_ids is not None
     q_seg = pad_segment_ids(q_ids, tp, -1) if segments else None
@@ -129,6 +134,7 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         longest_first=_longest_first(config),
         document_tiles=config.document_tiles,
         piece_columns=config.backward_piece_columns,
+        shared_quantize=config.shared_quantize,
     )
 
 
