@@ -278,8 +278,12 @@ def fused_linear(x_XK: jax.Array, linears) -> list[jax.Array]:
         precision=first.precision,
         preferred_element_type=jnp.float32,
     ).astype(first.dtype)
-    cuts = list(itertools.accumulate(lin.out_features for lin in linears))[:-1]
-    return jnp.split(y, cuts, axis=-1)
+    return split_widths(y, [lin.out_features for lin in linears])
+
+
+def split_widths(x, widths) -> list[jax.Array]:
+    """x's last axis cut into consecutive parts of ``widths`` (which sum to its size)."""
+    return jnp.split(x, list(itertools.accumulate(widths))[:-1], axis=-1)
 
 
 class RMSNorm(nnx.RMSNorm):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dm_jax.nn.fp8 import Linear, RMSNorm, fused_linear
+from dm_jax.nn.fp8 import Linear, RMSNorm, fused_linear, split_widths
 from dm_jax.nn.recurrence import check_state_pass, init_dt_bias, init_log_A, run_recurrence
 from dm_jax.nn.sequence import ShortConv, short_conv
 
@@ -61,7 +61,7 @@ class ConvQKV(nnx.Module):
             kernel = jnp.concatenate([self.conv[n].kernel[...] for n in QKV], axis=1)
             y = short_conv(jnp.concatenate([proj[n] for n in QKV], axis=-1), kernel, segment_ids)
             widths = [self.conv[n].kernel.shape[1] for n in QKV]
-            qkv = dict(zip(QKV, jnp.split(jax.nn.silu(y), [widths[0], widths[0] + widths[1]], -1)))
+            qkv = dict(zip(QKV, split_widths(jax.nn.silu(y), widths)))
         else:
             qkv = {n: jax.nn.silu(self.conv[n](proj[n], segment_ids)) for n in QKV}
         B, T, _ = proj["q"].shape

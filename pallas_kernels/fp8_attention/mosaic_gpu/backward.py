@@ -74,7 +74,8 @@ MAX_COLUMNS = 128
 # compares sit beside the dK and dV accumulators, and a 64-column dot result (32 registers
 # per thread instead of 64) took the D=128 key pass with documents from 2,436 bytes of
 # ptxas spills to 832 and 892 to 604 us on the H200, bitwise the same (docs/mosaic_gpu.md,
-# "Dots in 64-column pieces"); without segment ids 128 stays faster
+# "What a CTA pays once, and dots in 64-column pieces"); without segment ids 128 stays
+# faster
 SEGMENT_PIECES = 64
 # GQA key pass: query heads per kv head whose loops are written out one after the other
 # (a loop over the heads around them spilled 784-924 bytes on the H200 and ran 1.6-1.8x

@@ -82,8 +82,9 @@ class MosaicConfig:
     backward passes (dK, dV, dQ; 64 or 128). 0 (default): 64 in calls with segment ids,
     128 without, as measured on the H200: with documents the 64-column pieces hold half
     the registers beside the dK and dV accumulators and took the D=128 key pass from 892
-    to 604 us (ptxas spills 2,436 -> 832 bytes), without segment ids they cost 2-4%
-    (docs/mosaic_gpu.md, "Dots in 64-column pieces"). The results are bitwise the same.
+    to 604 us (ptxas spills 2,436 -> 832 bytes), without segment ids they cost 2-4% at
+    D=128 and 9% at D=256 (docs/mosaic_gpu.md, "What a CTA pays once, and dots in 64-column
+    pieces"). The results are bitwise the same.
     ``shared_quantize``: where the Mosaic backward runs, the forward quantizes Q, K and V
     with exactly the backward's calls (values and permuted K-major copies of all three), so
     that XLA can merge each forward call with its backward twin (identical side-effect-free
