@@ -29,6 +29,7 @@ from dm_jax import numerics
 from dm_jax.masking import MaskInfo, tile_mask
 from pallas_kernels.fp8_attention.api import BackwardResult
 from pallas_kernels.fp8_attention.numerics import DELTA_MODES
+from pallas_kernels.fp8_attention.tiles import ds_scale_axes
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -229,6 +230,13 @@ def flash_forward(q, k, v, segment_ids=None, *, causal, sm_scale, precision, blo
     return jnp.swapaxes(out, 1, 2).astype(q.dtype), lse
 
 
+def _cast_ds(ds, axes, precision):
+    """(dS^, its scales as ds's shape): a power-of-two scale per amax over ``axes``."""
+    scale = numerics.tile_scale(ds, precision, axis=axes, keepdims=True)
+    scale = jnp.broadcast_to(scale, ds.shape)
+    return numerics.cast_operand(ds, scale, precision), scale
+
+
 def _rowsum_delta(do8_tiles, do, o, delta, hkv, block_q):
     """stale: rowsum(dO * O) (dO before its cast); do_matched: rowsum(dO^ * O)."""
     o_f = _to_bhtd(o).astype(jnp.float32)
@@ -246,17 +254,33 @@ def _rowsum_delta(do8_tiles, do, o, delta, hkv, block_q):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("causal", "sm_scale", "precision", "delta", "block_q", "block_k"),
+    static_argnames=("causal", "sm_scale", "precision", "delta", "block_q", "block_k", "ds_scale"),
 )
 def flash_backward(
-    q, k, v, o, lse, do, segment_ids=None, *, causal, sm_scale, precision, delta, block_q, block_k
+    q,
+    k,
+    v,
+    o,
+    lse,
+    do,
+    segment_ids=None,
+    *,
+    causal,
+    sm_scale,
+    precision,
+    delta,
+    block_q,
+    block_k,
+    ds_scale="rows",
 ):
     """Blockwise backward with recomputed P; returns :class:`BackwardResult`.
 
     Pass 1 (``matched`` only): delta_i = sum_j P_ij dP^_ij over all key tiles, with dP^
     computed by the same function (same operands, scales and order) as in pass 2.
     Pass 2, per key tile j: P = exp(S - lse); dP^ = dO^ V^^T; dS = P (dP^ - delta);
-    dS^ = cast(dS * s_tile); dV_j = (P*256)^^T dO^; dQ += dS^ K^_j; dK_j = dS^^T Q^.
+    dS^ = cast(dS * s) with ``ds_scale``'s scales (``tiles.DS_SCALES``: "rows", per query
+    for dQ and per key for dK; "tile", one per tile for both); dV_j = (P*256)^^T dO^;
+    dQ += dS^ K^_j; dK_j = dS^^T Q^. The post-cast statistics read dQ's dS^.
     """
     if delta not in DELTA_MODES:
         raise ValueError(f"delta must be one of {DELTA_MODES}, got {delta!r}")
@@ -272,6 +296,7 @@ def flash_backward(
     tiles = tiles._replace(q=_poisoned(tiles.q, do8.poison, rows_bad))
     lse_t = jnp.where(jnp.isnan(lse_t), 0.0, lse_t)  # +inf (rows that see nothing) stays
     p_scale = numerics.p_scale(precision)
+    ds_axes = ds_scale_axes(ds_scale)
 
     def probs(j, tiles):
         s = _scores(tiles, j, info, sm_scale)
@@ -300,28 +325,23 @@ def flash_backward(
         dq, stats = carry
         p = probs(j, tiles_ds)
         ds = p * (dp_hat(j) - delta_ds[..., None])  # [B, Hkv, G, nq, bq, bk]
-        # one dS scale per (query tile, key tile): [B, Hkv, G, nq, 1, 1]
-        ds_scale = jnp.broadcast_to(
-            numerics.tile_scale(ds, precision, axis=(-2, -1), keepdims=True), ds.shape[:-2] + (1, 1)
-        )
-        ds8 = numerics.cast_operand(ds, ds_scale, precision)
-        ds_post = numerics.upcast(ds8) / ds_scale
+        # dS^ for dQ (scales per query, or per tile) and for dK (per key, or per tile)
+        (ds8_q, scale_q), (ds8_k, scale_k) = (_cast_ds(ds, axes, precision) for axes in ds_axes)
+        ds_post = numerics.upcast(ds8_q) / scale_q
         stats = (
             stats[0] + jnp.sum(ds, -1),
             stats[1] + jnp.sum(jnp.abs(ds), -1),
             stats[2] + jnp.sum(ds_post, -1),
             stats[3] + jnp.sum(jnp.abs(ds_post), -1),
         )
-        ds_descale = sm_scale / ds_scale[..., 0, 0]  # [B, Hkv, G, nq]
+        descale_q = sm_scale / scale_q[..., :1]  # [B, Hkv, G, nq, bq, 1]: per query row
+        descale_k = sm_scale / jnp.swapaxes(scale_k[..., :1, :], -1, -2)  # [.., bk, 1]: per key
         kj = tiles.k.values[:, :, j]
-        dq = (
-            dq
-            + _dot(ds8, kj, "bkgnqc,bkcd->bkgnqd")
-            * (ds_descale * tiles.k.inv_scale[:, :, None, None, j])[..., None, None]
+        dq = dq + _dot(ds8_q, kj, "bkgnqc,bkcd->bkgnqd") * (
+            descale_q * tiles.k.inv_scale[:, :, None, None, j, None, None]
         )
-        dk_j = (
-            _dot(ds8, tiles.q.values, "bkgnqc,bkgnqd->bkgncd")
-            * (ds_descale * tiles.q.inv_scale)[..., None, None]
+        dk_j = _dot(ds8_k, tiles.q.values, "bkgnqc,bkgnqd->bkgncd") * (
+            descale_k * tiles.q.inv_scale[..., None, None]
         )
         p8 = numerics.cast_operand(p, p_scale, precision)
         dv_j = (

@@ -72,6 +72,7 @@ def backward(
         delta=spec.delta,
         block_q=spec.tiles.bwd_block_q,
         block_k=spec.tiles.bwd_block_k,
+        ds_scale=spec.tiles.ds_scale,
     )
 
 

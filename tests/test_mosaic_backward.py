@@ -4,6 +4,8 @@ the emulation's. Numbers on the GPU: docs/mosaic_gpu.md."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,8 +22,9 @@ NEEDS_011 = pytest.mark.skipif(
 )
 
 
-def _spec(causal=False, delta="matched", d=64, tiles=None):
-    return AttentionSpec(causal, delta, "fp8", d**-0.5, tiles or default_tiles(d, d))
+def _spec(causal=False, delta="matched", d=64, tiles=None, ds_scale="rows"):
+    tiles = tiles or dataclasses.replace(default_tiles(d, d), ds_scale=ds_scale)
+    return AttentionSpec(causal, delta, "fp8", d**-0.5, tiles)
 
 
 def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
@@ -204,8 +207,12 @@ def test_dq_in_key_pass_lowers_for_cuda(case, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(backward, "query_pass", counted)
-    _export_backward(case, with_stats=False, backward_dq="key_pass")
+    _export_backward(case, with_stats=False, ds_scale="tile", backward_dq="key_pass")
     assert wants == (["delta"] if case[8] == "matched" else [])
+    # with dS^ scales per tile row (per key in the key pass) the dQ pass runs instead
+    wants.clear()
+    _export_backward(case, with_stats=False, backward_dq="key_pass")
+    assert wants == (["delta"] if case[8] == "matched" else []) + ["dq"]
 
 
 @NEEDS_011
@@ -216,12 +223,13 @@ def test_dq_in_key_pass_equals_the_dq_pass(causal, hq, hkv):
     dK, dV and delta are bitwise the same. A ragged length (T=192 in 256-token blocks), two
     key CTAs; causal, or GQA. (Causal GQA hangs jax 0.11.2's GPU interpreter on a 2-core
     machine; on the H200: benchmarks/dq_key_pass.py.) The interpreter has no reduce-add
-    copy: each warpgroup writes its own partial dQ there, summed after the pass."""
+    copy: each warpgroup writes its own partial dQ there, summed after the pass. One dS^
+    scale per tile (the only scales this path takes)."""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, d = 1, 192, 64
     q, k, v, do = _gqa_inputs(11, b, t, hq, hkv, d)
-    spec = _spec(causal, "matched", d)
+    spec = _spec(causal, "matched", d, ds_scale="tile")
     results = []
     for where in ("pass", "key_pass"):
         cfg = config.MosaicConfig(fused_quantize=False, backward_dq=where)
@@ -249,7 +257,7 @@ def _gqa_inputs(seed, b, t, hq, hkv, d):
     return q, k, v, do
 
 
-def _export_backward(case, with_stats=True, **config_fields):
+def _export_backward(case, with_stats=True, ds_scale="rows", **config_fields):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile = case
@@ -271,7 +279,7 @@ def _export_backward(case, with_stats=True, **config_fields):
             do,
             q_ids,
             kv_ids,
-            spec=_spec(causal, delta, d),  # 64 x 64 dS tiles at every head dim
+            spec=_spec(causal, delta, d, ds_scale=ds_scale),  # 64 x 64 dS tiles everywhere
             config=cfg,
             interpret=False,
             with_stats=with_stats,
@@ -468,30 +476,67 @@ def test_shared_quantize_makes_the_forward_calls_the_backward_calls(monkeypatch)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
 
 
-@NEEDS_011
-def test_pingpong_is_bitwise_the_same():
-    """The consumer warpgroups' turns on the tensor cores change when each dot runs, not
-    what it computes: delta, dQ, dK, dV and the dS row statistics bitwise equal without
-    them. Causal with a ragged length, so the two warpgroups of a query CTA step through
-    different numbers of key tiles (the one that stops early still takes its turns), GQA."""
+def _backward_under(field, values, seed, t):
+    """The interpret-mode forward and backward (with the dS statistics) of one causal GQA
+    call with a ragged length, once per value of ``MosaicConfig.<field>``."""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
-    b, t, hq, hkv, d = 1, 320, 2, 1, 64
-    q, k, v, do = _gqa_inputs(5, b, t, hq, hkv, d)
+    b, hq, hkv, d = 1, 2, 1, 64
+    q, k, v, do = _gqa_inputs(seed, b, t, hq, hkv, d)
     spec = _spec(True, "matched", d)
     results = []
-    for pingpong in (False, True):
-        cfg = config.MosaicConfig(fused_quantize=False, backward_pingpong=pingpong)
+    for value in values:
+        cfg = config.MosaicConfig(fused_quantize=False, **{field: value})
         out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
         results.append(
             ops.backward(
                 q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True, with_stats=True
             )
         )
-    plain, turns = results
+    return results
+
+
+def _assert_bitwise_equal(plain, other):
     assert bool(jnp.all(jnp.isfinite(plain.dq))) and float(jnp.max(jnp.abs(plain.dk))) > 0
     for name in plain._fields:
-        assert bool(jnp.all(getattr(plain, name) == getattr(turns, name))), name
+        assert bool(jnp.all(getattr(plain, name) == getattr(other, name))), name
+
+
+@NEEDS_011
+def test_pingpong_is_bitwise_the_same():
+    """The consumer warpgroups' turns on the tensor cores change when each dot runs, not
+    what it computes: delta, dQ, dK, dV and the dS row statistics bitwise equal without
+    them. Causal with a ragged length, so the two warpgroups of a query CTA step through
+    different numbers of key tiles (the one that stops early still takes its turns), GQA."""
+    _assert_bitwise_equal(*_backward_under("backward_pingpong", (False, True), seed=5, t=320))
+
+
+EARLY_P_LOWER_CASES = [  # as LOWER_CASES
+    (1, 256, 256, 2, 2, 128, False, False, "matched", 128),
+    (2, 300, 200, 4, 2, 64, True, True, "stale", 64),
+    (1, 256, 256, 2, 1, 256, True, False, "matched", 128),
+]
+
+
+@NEEDS_011
+@pytest.mark.parametrize("case", EARLY_P_LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_early_p_and_tile_scales_lower_for_cuda(case):
+    """``backward_early_p`` (P formed while the dP^ dot runs: a ``wgmma.wait_group 1``
+    between the two dots' waits) lowers, with dS^ scales per tile row (the default) and
+    per tile (a cross-warp amax)."""
+    default = _export_backward(case)
+    early = _export_backward(case, backward_early_p=True)
+    assert "wgmma.wait_group.sync.aligned 1;" not in default
+    assert "wgmma.wait_group.sync.aligned 1;" in early
+    _export_backward(case, ds_scale="tile", backward_early_p=True)
+
+
+@NEEDS_011
+def test_early_p_is_bitwise_the_same():
+    """P formed while the dP^ dot still runs changes when the math runs, not what it
+    computes: delta, dQ, dK, dV and the dS row statistics bitwise equal (causal GQA with a
+    ragged length, every pass; interpret mode)."""
+    _assert_bitwise_equal(*_backward_under("backward_early_p", (False, True), seed=9, t=200))
 
 
 @NEEDS_011

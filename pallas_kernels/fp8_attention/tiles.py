@@ -6,10 +6,14 @@ splits work among warps) change speed only; they live in each backend's config
 
 * ``SCALE_BLOCK`` (128 tokens, :mod:`.numerics`): one power-of-two scale per (batch, head,
   block) of Q, K, V and dO. Fixed: every token tile divides it.
-* ``bwd_block_q x bwd_block_k``: the dS scale tile. dS = P (dP^ - delta) gets one dynamic
-  scale per (query tile, key tile) before its FP8 cast; the matched delta's pre-pass forms
-  dP^ on the same tiles. A backend must use exactly this tile for the dS scale (its own
-  compute tile may be larger if it applies one scale per sub-tile).
+* ``bwd_block_q x bwd_block_k``: the dS scale tile. dS = P (dP^ - delta) gets dynamic
+  power-of-two scales per (query tile, key tile) before its FP8 cast; the matched delta's
+  pre-pass forms dP^ on the same tiles. ``ds_scale`` says how many: ``"rows"`` (default
+  since 2026-12-04) one per row of the tile along each gradient's output, so the scale is
+  constant along the dot's contraction: per query (over the tile's keys) for dQ = dS^ K,
+  per key (over the tile's queries) for dK = dS^^T Q, so dQ and dK cast dS each in their
+  own way; ``"tile"`` one per tile, the same dS^ for both. A backend must use exactly these
+  scales (its own compute tile may be larger if it applies them per sub-tile).
 * ``block_q x block_k``: the forward tiles. They decide the order of the online-softmax
   updates (FP32 rounding only); the pure-JAX emulation (``dm_jax.reference``) mirrors them so
   a backend that uses them matches it to FP32 rounding, tile for tile.
@@ -25,19 +29,31 @@ import dataclasses
 from pallas_kernels.fp8_attention import numerics
 
 
+# dS^'s scales: one per row of each dS scale tile along the gradient's output (per query
+# for dQ, per key for dK), or one per tile. On the H200 the rows took the Mosaic backward's
+# kernels at [4, 4096, 16, 128] from 5.06 to 4.78 ms (no cross-warp amax), errors against
+# f32 equal to three digits (docs/numerics.md, "dS scales per tile row").
+DS_SCALES = ("rows", "tile")
+
+
 @dataclasses.dataclass(frozen=True)
 class NumericsTiles:
     """Token tiles (forward and backward) that define the numbers of one attention call.
 
     Each is a power of two in [16, SCALE_BLOCK], so it divides the 128-token scale block.
+    ``ds_scale``: one of DS_SCALES (module docstring).
     """
 
     block_q: int = 64
     block_k: int = 64
     bwd_block_q: int = 64  # dS scale tile: queries
     bwd_block_k: int = 64  # dS scale tile: keys
+    ds_scale: str = "rows"
 
     def __post_init__(self):
+        if self.ds_scale not in DS_SCALES:
+            choices = " or ".join(map(repr, DS_SCALES))
+            raise ValueError(f"ds_scale must be {choices}, got {self.ds_scale!r}")
         for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
             value = getattr(self, name)
             if (
@@ -84,3 +100,12 @@ def default_tiles(head_dim_qk: int, head_dim_v: int) -> NumericsTiles:
     """The default tiles for these head dims."""
     fwd, bwd = head_dim_row(_DEFAULTS, head_dim_qk, head_dim_v)
     return NumericsTiles(block_q=fwd[0], block_k=fwd[1], bwd_block_q=bwd[0], bwd_block_k=bwd[1])
+
+
+def ds_scale_axes(ds_scale: str) -> tuple:
+    """(dQ's, dK's) amax axes of a [.., queries, keys] dS tile for ``ds_scale``: the keys
+    and the queries for ``"rows"`` (each gradient's rows get their own scale), both for
+    ``"tile"``."""
+    if ds_scale not in DS_SCALES:
+        raise ValueError(f"ds_scale must be one of {DS_SCALES}, got {ds_scale!r}")
+    return ((-1,), (-2,)) if ds_scale == "rows" else ((-2, -1), (-2, -1))

@@ -8,8 +8,11 @@ Both kinds of pass recompute, per (64 queries x 64 keys) tile, in log2 units
     dS  = P (dP^ - delta),  s = 2^floor(log2(448 / amax|dS|)),  dS^ = e4m3(dS s)
                                      (no clip needed: |dS s| <= 448 exactly)
 (poison: NaN for a query row or key whose operands were not finite, else 0, so NaN reaches
-exactly the visible pairs.) The 64 x 64 tile is the contract's dS scale tile (``NumericsTiles.ds_tile``), so dS is
-scaled exactly as the emulation scales it. Every scale factor is a power of two apart from
+exactly the visible pairs.) The 64 x 64 tile is the contract's dS scale tile
+(``NumericsTiles.ds_tile``); the amax runs over each row of the accumulator (``ds_rows``,
+``NumericsTiles.ds_scale="rows"``: per query in the query pass, per key in the key pass,
+within one warp's quad of threads) or over the whole tile (a cross-warp max through shared
+memory), so dS is scaled exactly as the emulation scales it. Every scale factor is a power of two apart from
 c, so the order of the multiplications does not change a bit.
 
 * :func:`query_pass` (one CTA per 128 queries, two consumer warpgroups of 64 rows, keys
@@ -126,10 +129,13 @@ def _finite_row_amax(x):
     return lax.bitcast_convert_type(bits.astype(jnp.uint32), F32)
 
 
-def _quantize_ds(ds, scratch, interpret: bool):
+def _quantize_ds(ds, scratch, interpret: bool, rows: bool = False):
     """dS tile -> (dS^ e4m3, its finite amax as a [64] row vector): one power-of-two scale
-    per tile (NaN and Inf do not poison it)."""
-    amax = _row_max(_finite_row_amax(ds), scratch, interpret)
+    per tile, or with ``rows`` one per row of the tile (no cross-warp reduction: a row lies
+    in one warp's quad of threads). NaN and Inf do not poison it."""
+    amax = _finite_row_amax(ds)
+    if not rows:
+        amax = _row_max(amax, scratch, interpret)
     return numerics.quantize_by_own_amax(ds, _scale(amax, ds.shape)), amax
 
 
@@ -176,6 +182,26 @@ def _dots(pairs, shape, after_issue=None):
         if after_issue is not None:
             after_issue()
         return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(body, *(plgpu.ACC(shape, F32) for _ in pairs))
+
+
+def _dots_first(pairs, shape, first, after_issue=None, early: bool = True):
+    """``(first(a0 @ b0), a1 @ b1, ...)`` for ``pairs`` in fresh f32 accumulators, issued
+    together. ``early``: ``first`` runs as soon as the first dot is done, while the others
+    still run on the tensor cores (one ``wgmma.wait_group`` per dot instead of one for
+    all); else after all of them. The same values either way: only the schedule moves."""
+    if not early:
+        head, *rest = _dots(pairs, shape, after_issue)
+        return (first(head), *rest)
+
+    def body(*accs):
+        for acc, (a, b) in zip(accs, pairs):
+            plgpu.wgmma(acc, a, b)
+        if after_issue is not None:
+            after_issue()
+        head = first(plgpu.wgmma_accumulator_load(accs[0], wait_n=len(pairs) - 1))
+        return (head, *(acc[...] for acc in accs[1:]))
 
     return pl.run_scoped(body, *(plgpu.ACC(shape, F32) for _ in pairs))
 
@@ -386,6 +412,8 @@ def query_pass(
     longest_first: bool = False,
     doc_tiles=None,
     pieces=None,
+    early_p: bool = False,
+    ds_rows: bool = False,
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -410,6 +438,10 @@ def query_pass(
         rows' document; they take the unmasked path (the same results).
       pieces: columns of each fresh dQ dot's accumulator (default MAX_COLUMNS), as in
         :func:`key_pass`.
+      early_p: P is formed as soon as the S dot is done, while the dP^ dot still runs (the
+        same values; :func:`_dots_first`).
+      ds_rows: dS^ takes one scale per row of the tile (per query, over its 64 keys)
+        instead of one per 64 x 64 tile (:func:`_quantize_ds`).
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, count] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -500,32 +532,37 @@ def query_pass(
                 slot = lax.rem(j - lo, stages)
                 _wait_all((k_bars, v_bars, aux_bars), slot)
                 shape = (TILE, key_tile)
-                s, dp = _dots(
-                    ((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T)),
-                    shape,
-                    turns.after_issue,
-                )
                 # the decode factors are repeated along their rows: read the first 64
                 inv_k = _row(kvinv_smem.at[slot, 0, pl.ds(0, TILE)])
                 inv_v = _row(kvinv_smem.at[slot, 1, pl.ds(0, TILE)])
-                k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
-                # the rows' poison (0 or NaN) joins their factor: one op per score less
-                s2 = s * _rows((c * inv_q) * inv_k + q_poison, s.shape)
-                s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
-                if mask.segments:  # every step (document tiles' unmasked ones too) waits for
-                    plgpu.barrier_wait(seg_bars.at[slot])  # its ids: barrier phases stay paired
-                if masked:
-                    k_seg = None
-                    if mask.segments:
-                        k_seg = plgpu.load(kseg_smem.at[slot], (), layout=COL)
-                    s2 = _masked(mask, s2, row0, j * key_tile, False, q_seg, k_seg)
-                p = jnp.exp2(s2 - _rows(lse2, s2.shape))
+
+                def probabilities(s):  # P from S (while the dP^ dot runs, with early_p)
+                    k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
+                    # the rows' poison (0 or NaN) joins their factor: one op per score less
+                    s2 = s * _rows((c * inv_q) * inv_k + q_poison, s.shape)
+                    s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
+                    if mask.segments:  # every step (document tiles' unmasked ones too) waits
+                        plgpu.barrier_wait(seg_bars.at[slot])  # for its ids: phases stay paired
+                    if masked:
+                        k_seg = None
+                        if mask.segments:
+                            k_seg = plgpu.load(kseg_smem.at[slot], (), layout=COL)
+                        s2 = _masked(mask, s2, row0, j * key_tile, False, q_seg, k_seg)
+                    return jnp.exp2(s2 - _rows(lse2, s2.shape))
+
+                p, dp = _dots_first(
+                    ((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T)),
+                    shape,
+                    probabilities,
+                    turns.after_issue,
+                    early_p,
+                )
                 dp = dp * _rows(inv_do * inv_v, dp.shape)
                 if not want_dq:  # delta_i += sum_j P_ij dP^_ij
                     plgpu.barrier_arrive(free.at[slot])
                     return carry + (p * dp).sum(axis=1)
                 ds = p * (dp - _rows(delta, p.shape))
-                ds8, amax = _quantize_ds(ds, red_smem2.at[wg], interpret)
+                ds8, amax = _quantize_ds(ds, red_smem2.at[wg], interpret, ds_rows)
                 # (ds8 stays for the statistics: the operand is its regrouped copy)
                 a8, amax, carry = turns.arrive((to_operand(ds8), amax, carry))
                 plgpu.barrier_wait(kt_bars.at[slot])
@@ -688,6 +725,8 @@ def key_pass(
     unrolled_heads: int = MAX_UNROLLED_HEADS,
     doc_tiles=None,
     pieces=None,
+    early_p: bool = False,
+    ds_rows: bool = False,
 ):
     """dK and dV, summed over each kv head's query heads; with ``kt8`` also dQ's columns
     ``dk_cols``, added into an f32 dQ tile by tile (:func:`_reduce_dq`).
@@ -720,6 +759,8 @@ def key_pass(
         causal, after them); each head's steps over them take the unmasked path.
       pieces: columns of each fresh dot's accumulator (default MAX_COLUMNS; at most that):
         narrower pieces hold fewer registers beside dK and dV (SEGMENT_PIECES), the same bits.
+      early_p, ds_rows: as in :func:`query_pass` (ds_rows: one dS^T scale per key, over the
+        tile's 64 queries; not with ``kt8``, whose dQ dot contracts the keys).
     Returns:
       dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
       layout), None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
@@ -736,6 +777,8 @@ def key_pass(
         )
     if want_dq and not (want_dk and ck <= MAX_COLUMNS):
         raise ValueError(f"kt8 (dQ in the key pass) needs 1-{MAX_COLUMNS} dK columns, got {ck}")
+    if want_dq and ds_rows:
+        raise ValueError("ds_rows: dQ in the key pass needs one dS^ scale per tile")
     stages = fitting(
         stages, lambda n: key_pass_smem(n, dqk, dv, ck, cv, out_dtype, want_dq, pieces)
     )
@@ -808,6 +851,9 @@ def key_pass(
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
             first, per_head = query_range(tiles_smem2.at[wg] if documents else None)
 
+            def p_operand(pt):  # (256 P)^T as the dV dot's register operand
+                return to_operand(numerics.cast_probabilities(pt, "fp8")) if want_dv else None
+
             def step(n, carry, masked: bool):
                 dk, dv_acc = carry
                 slot = lax.rem(n, stages)
@@ -816,32 +862,39 @@ def key_pass(
                 pairs = ((k_smem, q_smem.at[slot].T),)
                 if want_dk:
                     pairs += ((v_smem, do_smem.at[slot].T),)
-                st, *dpt = _dots(pairs, (TILE, TILE), turns.after_issue)
                 rows = rows_smem.at[slot]
-                lse2 = plgpu.load(rows.at[0], (), layout=COL)
                 inv_q, inv_do = _row(rows.at[2]), _row(rows.at[3])
-                q_poison = plgpu.load(rows.at[4], (), layout=COL)
-                # query_pass' S2 bit for bit but the sign of a zero (which exp2 ignores):
-                # the same product, NaN where either poison is
-                s2 = st * _rows((c * inv_q) * inv_k + k_poison, st.shape)
-                s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
-                if mask.segments:  # every step (document tiles' unmasked ones too) waits for
-                    plgpu.barrier_wait(seg_bars.at[slot])  # its ids: barrier phases stay paired
-                if masked:
-                    q_seg = None
-                    if mask.segments:
-                        q_seg = plgpu.load(qseg_smem.at[slot], (), layout=COL)
-                    s2 = _masked(mask, s2, i * TILE, key0, True, q_seg, k_seg)
-                pt = jnp.exp2(s2 - lax.broadcast_in_dim(lse2, s2.shape, [1]))
-                ds8t = ds8 = amax = p8 = None
+
+                def probabilities(st):  # P^T (and its operand) while the dP^T dot runs
+                    lse2 = plgpu.load(rows.at[0], (), layout=COL)
+                    q_poison = plgpu.load(rows.at[4], (), layout=COL)
+                    # query_pass' S2 bit for bit but the sign of a zero (which exp2 ignores):
+                    # the same product, NaN where either poison is
+                    s2 = st * _rows((c * inv_q) * inv_k + k_poison, st.shape)
+                    s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
+                    if mask.segments:  # every step (document tiles' unmasked ones too) waits
+                        plgpu.barrier_wait(seg_bars.at[slot])  # for its ids: phases stay paired
+                    if masked:
+                        q_seg = None
+                        if mask.segments:
+                            q_seg = plgpu.load(qseg_smem.at[slot], (), layout=COL)
+                        s2 = _masked(mask, s2, i * TILE, key0, True, q_seg, k_seg)
+                    pt = jnp.exp2(s2 - lax.broadcast_in_dim(lse2, s2.shape, [1]))
+                    # early: the dV dot's operand too, before the dP^T dot is waited for
+                    return pt, (p_operand(pt) if early_p else None)
+
+                (pt, p8), *dpt = _dots_first(
+                    pairs, (TILE, TILE), probabilities, turns.after_issue, early_p
+                )
+                ds8t = ds8 = amax = None
                 if want_dk:
                     delta = plgpu.load(rows.at[1], (), layout=COL)
-                    dpt = dpt[0] * _rows(inv_do * inv_v, st.shape)
+                    dpt = dpt[0] * _rows(inv_do * inv_v, pt.shape)
                     dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
-                    ds8t, amax = _quantize_ds(dst, red_smem2.at[wg], interpret)
+                    ds8t, amax = _quantize_ds(dst, red_smem2.at[wg], interpret, ds_rows)
                     ds8 = to_operand(ds8t)
-                if want_dv:
-                    p8 = to_operand(numerics.cast_probabilities(pt, "fp8"))
+                if not early_p:
+                    p8 = p_operand(pt)
                 p8, ds8, amax, dk, dv_acc = turns.arrive((p8, ds8, amax, dk, dv_acc))
                 a_smem = a_smem2.at[wg] if interpret else None
                 if want_dv:

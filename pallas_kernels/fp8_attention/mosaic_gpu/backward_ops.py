@@ -104,6 +104,8 @@ def operands(
     document_tiles=False,
     piece_columns=0,
     shared_quantize=False,
+    early_p=False,
+    ds_rows=False,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8, v8 = quantize_all(quantize, q, k, v, shared_quantize)
@@ -132,6 +134,8 @@ def operands(
         interpret=interpret,
         pingpong=pingpong,
         pieces=dot_pieces(piece_columns, bool(segments)),
+        early_p=early_p,
+        ds_rows=ds_rows,
     )
     b, hkv = k8.inv_rows.shape[:2]
     # each 128-key block's factors (repeated over 64 rows) once per 64-key tile
@@ -224,7 +228,8 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
     left out of ``passes`` gives None (the benchmarks time each pass on its own). Head
     dims over 128: the launches of ``ops.wide_launches``, concatenated. With ``ops.dq_in_key_pass``
     the key pass forms dQ too (``passes`` naming "dkdv"), except with ``with_stats`` (the
-    statistics come from the dQ pass) or where that key pass does not fit shared memory
+    statistics come from the dQ pass), with dS^ scales per tile row (``ds_rows``: per-key
+    scales vary along the dQ dot's contraction) or where that key pass does not fit shared memory
     (:func:`.backward.dq_in_key_pass_fits`): there the dQ pass runs."""
     rows = query_rows(ops, delta_p)
     q_dtype, kv_dtype = out_dtypes
@@ -232,6 +237,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
     dq_from_keys = (
         ops.dq_in_key_pass
         and not with_stats
+        and not ops.kwargs["ds_rows"]  # per-key dS^ scales vary along the dQ dot's keys
         and "dkdv" in passes
         and kernels.dq_in_key_pass_fits(dqk, dv_dim, kv_dtype)
     )

@@ -3,10 +3,12 @@
 Both passes recompute, per (query tile i, key tile j) of bwd_block_q x bwd_block_k,
     P   = exp(S - lse),   dP^ = dO^ V^^T         (common.probs_and_dp, as the delta pass)
     dS  = P (dP^ - delta)                        (FP32)
-    s   = tile_scale(dS)  (power of two from the tile's amax),  dS^ = cast(dS * s)
-so both see identical dS^ tiles and scales. Then
-    dQ_i  += (dS^ K^_j)      * (scale / s * inv_k)    (dQ pass, K from its K-major copy)
-    dK_j  += (dS^^T Q^_i)    * (scale / s * inv_q)    (dK/dV pass, Q K-major)
+    s   = power of two from the amax of each row of the tile along the gradient's rows
+          (``ds_scale="rows"``: per query for dQ, per key for dK) or of the whole tile
+          (``"tile"``: the same dS^ in both passes),  dS^ = cast(dS * s)
+Then
+    dQ_i  += (dS^ K^_j)      * (scale / s_i * inv_k)  (dQ pass, K from its K-major copy)
+    dK_j  += (dS^^T Q^_i)    * (scale / s_j * inv_q)  (dK/dV pass, Q K-major)
     dV_j  += ((P*256)^^T dO^_i) * (inv_do / 256)      (dK/dV pass, dO K-major)
 The dK/dV pass loops over every query head of the kv head's group (GQA / MQA reduction)
 and, when causal, starts at the first query tile that sees key tile j.
@@ -28,11 +30,25 @@ from pallas_kernels.fp8_attention.triton import common
 from pallas_kernels.fp8_attention.triton.common import F32, MaskSpec
 
 
-def _ds_tile(p, dp, delta, precision):
-    """dS = P (dP^ - delta), its tile scale and its cast: (ds, ds8, scale)."""
+def _ds_tile(p, dp, delta, precision, amax_axis=None):
+    """dS = P (dP^ - delta) [queries, keys] and its cast: (ds, ds8, in_scale, out_scale).
+
+    ``amax_axis`` None: one scale per tile; 1: one per query (over the tile's keys: dQ's
+    rows); 0: one per key (over its queries: dK's rows), ``tiles.DS_SCALES``' "rows".
+    in_scale broadcasts against ds, out_scale against the gradient's [rows, D] tile.
+    """
     ds = p * (dp - delta[:, None])
-    ds_scale = numerics.tile_scale(ds, precision)
-    return ds, numerics.cast_operand(ds, ds_scale, precision), ds_scale
+    if amax_axis is None or precision != "fp8":
+        scale = numerics.tile_scale(ds, precision)
+        return ds, numerics.cast_operand(ds, scale, precision), scale, scale
+    vec = numerics.tile_scale(ds, precision, axis=amax_axis)
+    in_scale = vec[:, None] if amax_axis == 1 else vec[None, :]
+    return ds, numerics.cast_operand(ds, in_scale, precision), in_scale, vec[:, None]
+
+
+def _amax_axes(ds_scale: str):
+    """(dQ's, dK's) amax axis of a [queries, keys] dS tile for ``ds_scale`` (None: all)."""
+    return (1, 0) if ds_scale == "rows" else (None, None)
 
 
 def _dq_kernel(
@@ -55,6 +71,7 @@ def _dq_kernel(
     block_k: int,
     n_k: int,
     with_stats: bool,
+    amax_axis=None,
 ):
     n_seg = 2 if mask.segments else 0
     q_seg_ref, kv_seg_ref = rest[:n_seg] if n_seg else (None, None)
@@ -87,8 +104,8 @@ def _dq_kernel(
             valid,
             sm_scale,
         )
-        ds, ds8, ds_scale = _ds_tile(p, dp, delta, precision)
-        descale = (sm_scale / ds_scale) * common.tile_scalar(inv_k)
+        ds, ds8, ds_scale, row_scale = _ds_tile(p, dp, delta, precision, amax_axis)
+        descale = (sm_scale / row_scale) * common.tile_scalar(inv_k)
         dq = dq + common.dot_nt(ds8, kt_ref[:, keys]) * descale  # dS^ K^ (K^T K-major)
         if with_stats:
             ds_post = ds8.astype(F32) / ds_scale
@@ -129,6 +146,7 @@ def _dkdv_kernel(
     block_k: int,
     n_q: int,
     group: int,
+    amax_axis=None,
 ):
     if mask.segments:
         q_seg_ref, kv_seg_ref, dk_ref, dv_ref = rest
@@ -163,9 +181,9 @@ def _dkdv_kernel(
                 valid,
                 sm_scale,
             )
-            _, ds8, ds_scale = _ds_tile(p, dp, delta_ref[g, rows], precision)
+            _, ds8, _, key_scale = _ds_tile(p, dp, delta_ref[g, rows], precision, amax_axis)
             # dK_j += dS^^T Q^ (Q^T K-major), dV_j += (P*256)^^T dO^ (dO^T K-major)
-            descale_k = (sm_scale / ds_scale) * common.tile_scalar(inv_q)
+            descale_k = (sm_scale / key_scale) * common.tile_scalar(inv_q)
             dk = dk + common.dot_tt(ds8, qt_ref[g, :, rows]) * descale_k
             p8 = numerics.cast_probabilities(p, precision)
             dv = dv + common.dot_tt(p8, dot_ref[g, :, rows]) * (
@@ -201,6 +219,7 @@ def dq_pass(
     interpret: bool,
     with_stats: bool = False,
     fp8_accumulation: str = "precise",
+    ds_scale: str = "rows",
 ):
     """dQ [B, Hq, Tp, Dqk] f32 (and, with ``with_stats``, four [B, Hq, Tp] row statistics).
 
@@ -251,6 +270,7 @@ def dq_pass(
         block_k=block_k,
         n_k=sp // block_k,
         with_stats=with_stats,
+        amax_axis=_amax_axes(ds_scale)[0],
     )
     outs = pl.pallas_call(
         kernel,
@@ -284,6 +304,7 @@ def dkdv_pass(
     num_stages: int,
     interpret: bool,
     fp8_accumulation: str = "precise",
+    ds_scale: str = "rows",
 ):
     """dK [B, Hkv, Sp, Dqk], dV [B, Hkv, Sp, Dv] f32, summed over each kv head's query group.
 
@@ -341,6 +362,7 @@ def dkdv_pass(
         block_k=block_k,
         n_q=tp // block_q,
         group=group,
+        amax_axis=_amax_axes(ds_scale)[1],
     )
     return pl.pallas_call(
         kernel,

@@ -199,10 +199,13 @@ def backward(
     ops = _backward_operands(q, k, v, lse, do, q_ids, kv_ids, spec, config, interpret)
     delta_p = _delta(ops, do, out, spec.delta)
     operands = _ds_operands(ops, delta_p)
+    ds_scale = spec.tiles.ds_scale
     dq, stats = bwd_kernels.dq_pass(
-        *operands, precision=spec.precision, with_stats=with_stats, **ops.kwargs
+        *operands, precision=spec.precision, with_stats=with_stats, ds_scale=ds_scale, **ops.kwargs
     )
-    dk, dv = bwd_kernels.dkdv_pass(*operands, precision=spec.precision, **ops.kwargs)
+    dk, dv = bwd_kernels.dkdv_pass(
+        *operands, precision=spec.precision, ds_scale=ds_scale, **ops.kwargs
+    )
 
     def public(x, n, d, dtype):  # [B, H, Np, Dp] -> [B, N, H, D]
         return jnp.swapaxes(x[:, :, :n, :d], 1, 2).astype(dtype)
@@ -255,11 +258,13 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: TritonConfig, interpret:
     def stale_rowdot(do, out):
         return delta_kernels.row_dot_delta("stale", do, out, ops.do8, ops.lse.shape[2])
 
+    ds_kw = dict(ops.kwargs, ds_scale=spec.tiles.ds_scale)
+
     def dq_pass(*a):
-        return bwd_kernels.dq_pass(*a, None, None, precision=precision, **ops.kwargs)[0]
+        return bwd_kernels.dq_pass(*a, None, None, precision=precision, **ds_kw)[0]
 
     def dkdv_pass(*a):
-        return bwd_kernels.dkdv_pass(*a, None, None, precision=precision, **ops.kwargs)
+        return bwd_kernels.dkdv_pass(*a, None, None, precision=precision, **ds_kw)
 
     return {
         "quantize_fwd": Pass(quantize_fwd, (q, k, v), 0),
