@@ -31,9 +31,17 @@ from benchmarks.correctness import f32_out_and_grads, fro_rel
 from dm_jax.baselines import cudnn_bf16_attention
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES, Case
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
+from pallas_kernels.fp8_attention.tiles import default_tiles
 from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, default_config
 
 F32 = jnp.float32
+
+
+BACKWARD_VARIANTS = {  # arm suffix -> (MosaicConfig fields, NumericsTiles.ds_scale)
+    "early_p": (dict(backward_early_p=True), "rows"),
+    "ds_tile": ({}, "tile"),  # the default until 2026-12-04
+    "early_p_ds_tile": (dict(backward_early_p=True), "tile"),
+}
 
 
 def arms(case: Case, implementation="pallas"):
@@ -46,7 +54,7 @@ def arms(case: Case, implementation="pallas"):
     interpret = implementation.endswith("_interpret")  # the CPU smoke test
     ids = case.segment_ids()  # packed documents (every arm sees them), or None
 
-    def ours(delta, precision, accumulation=None, backend=implementation, config=None):
+    def ours(delta, precision, accumulation=None, backend=implementation, config=None, tiles=None):
         if interpret and not backend.endswith("_interpret"):
             backend += "_interpret"
         if accumulation is not None:
@@ -63,6 +71,7 @@ def arms(case: Case, implementation="pallas"):
             segment_ids=ids,
             implementation=backend,
             config=config,
+            tiles=tiles,
         )
 
     out = {
@@ -99,11 +108,18 @@ def arms(case: Case, implementation="pallas"):
         out[f"mosaic_fp8_{delta}_every_tile"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(document_tiles=False)
         )
-        # Q, K, V quantized by the forward with the backward's own calls, which XLA may
-        # then run once for both (MosaicConfig.shared_quantize; not the default)
-        out[f"mosaic_fp8_{delta}_shared_quantize"] = ours(
-            delta, "fp8", backend="mosaic", config=MosaicConfig(shared_quantize=True)
+        # Q, K, V quantized by the forward and again by the backward (the default until
+        # 2026-12-04: since then the forward makes the backward's calls, which XLA merges)
+        out[f"mosaic_fp8_{delta}_separate_quantize"] = ours(
+            delta, "fp8", backend="mosaic", config=MosaicConfig(shared_quantize=False)
         )
+        # the backward forms P while its dP^ dot runs (MosaicConfig.backward_early_p), and
+        # dS^ with one scale per tile (NumericsTiles.ds_scale="tile"), each and both
+        for suffix, (fields, ds_scale) in BACKWARD_VARIANTS.items():
+            tiles = dataclasses.replace(default_tiles(case.dqk, case.dv), ds_scale=ds_scale)
+            out[f"mosaic_fp8_{delta}_{suffix}"] = ours(
+                delta, "fp8", backend="mosaic", config=MosaicConfig(**fields), tiles=tiles
+            )
         # the Mosaic forward with the Triton backward passes
         out[f"mosaic_fwd_triton_bwd_fp8_{delta}"] = ours(
             delta, "fp8", backend="mosaic", config=MosaicConfig(mosaic_backward=False)

@@ -50,6 +50,15 @@
 #                                          # ptxas spills, kernel split, bits) and the
 #                                          # CTA fixed-cost fit (benchmarks/cta_overhead.py);
 #                                          # shared_quantize's launches and time
+#   bash benchmarks/h200_mosaic.sh early  # the backward's schedules (early_p: P while the
+#                                          # dP^ dot runs; ds_tile: dS^ scaled per tile):
+#                                          # kernel split, spills, bits; fwd+bwd with errors
+#                                          # (CAUSAL=1: causal); shared_quantize's launches
+#   bash benchmarks/h200_mosaic.sh rows   # dS^ scaled per tile row (the default): both
+#                                          # backends against the emulation and f32, then
+#                                          # fwd+bwd beside per-tile scales and cuDNN BF16
+#   bash benchmarks/h200_mosaic.sh rowsheads # the same for head dims 64, 256 and 192/128
+#                                          # (GQA + segments), then causal stale beside matched
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
 #                                          # (memory throughput, registers, stalls, SASS hotspots;
 #                                          # QWARPS=8: at 8 warps per program)
@@ -60,6 +69,32 @@ OUT=${OUT:-/tmp/out}
 W=/tmp/h200_mosaic/$MODE
 mkdir -p "$OUT" "$W"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+
+key_pass_variants() {  # key_pass_variants SECONDS NAME:CAUSAL:VARIANT,...:
+  # benchmarks/key_pass_variants.py per shape under ptxas' dump (MOSAIC_GPU_DUMP_PTXAS=1):
+  # spills, the kernel split, bits
+  local limit=$1 spec name causal names
+  shift
+  for spec in "$@"; do
+    IFS=: read -r name causal names <<< "$spec"
+    mkdir -p "$W/$name"
+    MOSAIC_GPU_DUMP_PTXAS=1 timeout "$limit" python3 benchmarks/key_pass_variants.py \
+      --shape "$name" --causal "$causal" --variants "$names" --out "$W/$name" > "$W/$name/log" 2>&1
+    echo "$name: exit $?"
+    grep "=== variant\|spill stores" "$W/$name/log" | grep -v "^    " | cut -c1-150
+    grep "^|" "$W/$name/log"
+  done
+}
+
+time_shared_quantize() {  # time_shared_quantize SECONDS: Q, K, V quantized once per step when XLA
+  # merges the forward's and backward's calls: launches per step (7 quantize launches
+  # without) and the time, the small preset's layer with documents
+  timeout "$1" python3 benchmarks/layer_kernels.py --shape small_t8192_docs --causal 1 \
+    --arms mosaic_fp8_matched_separate_quantize,mosaic_fp8_matched --out "$W" \
+    > "$W/shared_quantize.log" 2>&1
+  echo "shared_quantize: exit $?"
+  grep "^|" "$W/shared_quantize.log"
+}
 
 case "$MODE" in
 check)
@@ -241,29 +276,67 @@ qprofile)
 variants)
   # ptxas' spills (MOSAIC_GPU_DUMP_PTXAS=1) and the kernel split of the layers with
   # documents under the backward's variants; the equal-work CTA fit
-  for spec in small_t8192_docs:1:default,pieces128,masked_documents \
-      h569m_t4096_docs:1:default,pieces128 d256:0:pieces128,pieces64; do
-    IFS=: read -r name causal variants <<< "$spec"
-    mkdir -p "$W/$name"
-    MOSAIC_GPU_DUMP_PTXAS=1 timeout 150 python3 benchmarks/key_pass_variants.py --shape "$name" \
-      --causal "$causal" --variants "$variants" --out "$W/$name" > "$W/$name/log" 2>&1
-    echo "$name: exit $?"
-    grep "=== variant\|spill stores" "$W/$name/log" | grep -v "^    " | cut -c1-150
-    grep "^|" "$W/$name/log"
-  done
-  # Q, K, V quantized once per step if XLA merges the forward's and backward's calls:
-  # the launches per step (7 quantize launches without) and the time
-  timeout 150 python3 benchmarks/layer_kernels.py --shape small_t8192_docs --causal 1 \
-    --arms mosaic_fp8_matched,mosaic_fp8_matched_shared_quantize --out "$W" \
-    > "$W/shared_quantize.log" 2>&1
-  echo "shared_quantize: exit $?"
-  grep "^|" "$W/shared_quantize.log"
+  key_pass_variants 150 small_t8192_docs:1:default,pieces128,masked_documents \
+    h569m_t4096_docs:1:default,pieces128 d256:0:pieces128,pieces64
+  time_shared_quantize 150
   timeout 150 python3 benchmarks/cta_overhead.py --out "$W" > "$W/cta_overhead.log" 2>&1
   echo "cta_overhead: exit $?"
   tail -6 "$W/cta_overhead.log"
   ;;
+early)
+  # the backward's schedules: P formed while the dP^ dot runs (early_p, bitwise) and dS^
+  # scaled per tile (ds_tile, the numerics until 2026-12-04; the default scales per tile
+  # row): kernel split, ptxas spills and bits at the main shape and the small preset's
+  # layer with documents, then fwd+bwd end to end from bf16 with errors against f32
+  # beside cuDNN BF16; shared_quantize's launches last
+  V=${VARIANTS:-ds_tile,default,early_p,early_p_ds_tile}
+  key_pass_variants 140 "main:0:$V" "small_t8192_docs:1:$V"
+  A=mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,mosaic_fp8_matched_early_p
+  A=${ARMS:-$A,mosaic_fp8_matched_separate_quantize,cudnn_bf16}
+  timeout 170 python3 benchmarks/attention.py --shapes main --causal "${CAUSAL:-0}" --iters 5 \
+    --reps 3 --budget 150 --arms "$A" --out "$W" > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  grep "^|" "$W/attention.log"
+  time_shared_quantize 100
+  ;;
+rows)
+  # dS^ scaled per tile row (NumericsTiles.ds_scale="rows", the default since 2026-12-04)
+  # on the GPU: both backends against the emulation and f32 (matched pre-cast row sums),
+  # then fwd+bwd end to end against the per-tile scales and cuDNN BF16, causal and not
+  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
+    --only T2000_d128_gqa_seg_causal,T4096_d128_128_causal --out "$W" > "$W/mosaic.log" 2>&1
+  echo "correctness mosaic: exit $?"
+  grep "^|" "$W/mosaic.log"
+  mkdir -p "$W/triton"
+  timeout 110 python3 benchmarks/correctness.py --implementation triton --budget 90 \
+    --only T2000_d128_gqa_seg_causal --out "$W/triton" > "$W/triton.log" 2>&1
+  echo "correctness triton: exit $?"
+  grep "^|" "$W/triton.log"
+  timeout 200 python3 benchmarks/attention.py --shapes main --causal both --iters 5 --reps 3 \
+    --budget 180 --arms mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,cudnn_bf16 --out "$W" \
+    > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  grep "^|" "$W/attention.log"
+  ;;
+rowsheads)
+  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
+    --only T2000_d256_256_gqa_seg_causal,T2000_d192_128_gqa_seg_causal,T4096_d64_64_causal \
+    --out "$W" > "$W/mosaic.log" 2>&1
+  echo "correctness mosaic: exit $?"
+  grep "^|" "$W/mosaic.log"
+  timeout 200 python3 benchmarks/attention.py --shapes d64,d256,d192_128 --causal 0 --iters 5 \
+    --reps 3 --budget 180 --arms mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,cudnn_bf16 \
+    --tag _heads --out "$W" > "$W/attention_heads.log" 2>&1
+  echo "attention heads: exit $?"
+  grep "^|" "$W/attention_heads.log"
+  timeout 110 python3 benchmarks/attention.py --shapes main --causal 1 --iters 5 --reps 3 \
+    --budget 90 --arms mosaic_fp8_matched,mosaic_fp8_stale,cudnn_bf16 --tag _stale \
+    --out "$W" > "$W/attention_stale.log" 2>&1
+  echo "attention stale: exit $?"
+  grep "^|" "$W/attention_stale.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads" >&2
   exit 2
   ;;
 esac

@@ -19,6 +19,12 @@ by the compiler on the same stream) falls under its variant. Variants:
   columns (``MosaicConfig(backward_piece_columns=...)``; the default takes 64 with segment
   ids, 128 without): a 64-column result holds half the registers beside the dK and dV
   accumulators. Bitwise the same: each column's sum is formed the same way.
+- ``early_p``: each backward step forms P as soon as its S dot is done, while the dP^ dot
+  still runs (``MosaicConfig(backward_early_p=True)``). Bitwise the same.
+- ``ds_tile``: one dS^ scale per 64 x 64 tile (``NumericsTiles(ds_scale="tile")``, the
+  default until 2026-12-04) instead of one per tile row, which takes a cross-warp amax.
+  Not bitwise: a numerics change, whose error against f32 ``benchmarks/attention.py``
+  reports (arm suffix ``_ds_tile``). ``early_p_ds_tile``: both.
 
 Per variant: microseconds per step by kernel kind (`benchmarks/layer_kernels.py`), and the
 largest difference of dQ, dK, dV from the default's. Writes key_pass_variants.json.
@@ -44,6 +50,7 @@ from benchmarks.layer_kernels import profile_arm
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES
 from pallas_kernels.fp8_attention.mosaic_gpu import backward
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
+from pallas_kernels.fp8_attention.tiles import default_tiles
 
 
 def masked_loops(step, bounds, carry):
@@ -69,7 +76,12 @@ VARIANTS = {
     "every_tile": MosaicConfig(document_tiles=False),
     "pieces64": MosaicConfig(backward_piece_columns=64),
     "pieces128": MosaicConfig(backward_piece_columns=128),
+    "early_p": MosaicConfig(backward_early_p=True),
+    "ds_tile": MosaicConfig(),
+    "early_p_ds_tile": MosaicConfig(backward_early_p=True),
 }
+# variants that change the numbers: NumericsTiles fields beside the head dims' defaults
+TILE_FIELDS = {"ds_tile": dict(ds_scale="tile"), "early_p_ds_tile": dict(ds_scale="tile")}
 
 
 def main(argv=None):
@@ -97,9 +109,18 @@ def main(argv=None):
         print(f"=== variant {name}", flush=True)
         sys.stderr.flush()
 
-        def attention(q, k, v, config=VARIANTS[name]):
+        tiles = dataclasses.replace(default_tiles(case.dqk, case.dv), **TILE_FIELDS.get(name, {}))
+
+        def attention(q, k, v, config=VARIANTS[name], tiles=tiles):
             return dm_jax.attention(
-                q, k, v, causal=case.causal, segment_ids=ids, implementation="mosaic", config=config
+                q,
+                k,
+                v,
+                causal=case.causal,
+                segment_ids=ids,
+                implementation="mosaic",
+                config=config,
+                tiles=tiles,
             )
 
         step = fwdbwd_step(attention)

@@ -14,6 +14,7 @@ import pytest
 from benchmarks import (
     correctness,
     cudnn_fp8_probe,
+    ds_scale_errors,
     fp8_linear,
     memory_calibration,
     ncu_hotspots,
@@ -405,3 +406,15 @@ def test_key_pass_variants_patch_the_backward_only_inside_their_block():
         )
     )()
     assert seen.tolist() == [0, 0, 102, 103, 104, 105, 106, 0]
+
+
+def test_ds_scale_errors_script_tiny(tmp_path, monkeypatch):
+    """Both dS^ scales on the Triton twin at a tiny causal GQA shape: dV equal (it comes
+    before dS's cast), dQ and dK at FP8 error against f32 for each."""
+    monkeypatch.setattr(ds_scale_errors, "CASES", {"tiny": (1, 96, 2, 1, 64, True, True)})
+    argv = ["--implementation", "pallas_interpret", "--modes", "matched", "--out", str(tmp_path)]
+    assert ds_scale_errors.main(argv) == 0
+    rows = json.load(open(tmp_path / "ds_scale_errors.json"))["rows"]
+    assert [r["ds_scale"] for r in rows] == ["rows", "tile"]
+    assert rows[0]["dv_fro"] == rows[1]["dv_fro"]
+    assert all(0 < r[f] < 0.3 for r in rows for f in ("dq_fro", "dk_fro"))
