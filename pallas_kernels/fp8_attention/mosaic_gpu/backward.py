@@ -172,15 +172,21 @@ def _padded(mask: ForwardMask, tp: int, sp: int) -> bool:
     return mask.t != tp or mask.s != sp
 
 
+def _issue(accs, pairs, after_issue):
+    """acc += a @ b on the tensor cores for each pair, not waited for; then
+    ``after_issue()``."""
+    for acc, (a, b) in zip(accs, pairs):
+        plgpu.wgmma(acc, a, b)
+    if after_issue is not None:
+        after_issue()
+
+
 def _dots(pairs, shape, after_issue=None):
     """[a @ b for (a, b) in pairs] in fresh f32 accumulators, issued together (one wait);
     ``after_issue()`` runs between issuing them and waiting for them."""
 
     def body(*accs):
-        for acc, (a, b) in zip(accs, pairs):
-            plgpu.wgmma(acc, a, b)
-        if after_issue is not None:
-            after_issue()
+        _issue(accs, pairs, after_issue)
         return tuple(acc[...] for acc in accs)
 
     return pl.run_scoped(body, *(plgpu.ACC(shape, F32) for _ in pairs))
@@ -196,10 +202,7 @@ def _dots_first(pairs, shape, first, after_issue=None, early: bool = True):
         return (first(head), *rest)
 
     def body(*accs):
-        for acc, (a, b) in zip(accs, pairs):
-            plgpu.wgmma(acc, a, b)
-        if after_issue is not None:
-            after_issue()
+        _issue(accs, pairs, after_issue)
         head = first(plgpu.wgmma_accumulator_load(accs[0], wait_n=len(pairs) - 1))
         return (head, *(acc[...] for acc in accs[1:]))
 

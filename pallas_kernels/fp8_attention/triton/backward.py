@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.triton import common
+from pallas_kernels.fp8_attention.tiles import ds_scale_axes
 from pallas_kernels.fp8_attention.triton.common import F32, MaskSpec
 
 
@@ -47,8 +48,9 @@ def _ds_tile(p, dp, delta, precision, amax_axis=None):
 
 
 def _amax_axes(ds_scale: str):
-    """(dQ's, dK's) amax axis of a [queries, keys] dS tile for ``ds_scale`` (None: all)."""
-    return (1, 0) if ds_scale == "rows" else (None, None)
+    """(dQ's, dK's) amax axis of a [queries, keys] dS tile for ``ds_scale`` (None: all):
+    :func:`tiles.ds_scale_axes` in the form :func:`_ds_tile` takes."""
+    return tuple(axes[0] % 2 if len(axes) == 1 else None for axes in ds_scale_axes(ds_scale))
 
 
 def _dq_kernel(
