@@ -15,10 +15,14 @@ for each chunk size of the shape and each state pass (--variants):
   pallas_ieee  the pallas pass with full-f32 dots (default tf32, as XLA's f32 matmuls)
   pallas_doubling / pallas_triangular   the pallas pass with the delta rule's triangular
                systems solved by `solve="doubling"` / `"triangular"` (default "blocks")
+  pallas_chunk_outputs   the pallas pass writing o (and reading dO) in the chunk layout
+               [N, B, H, C, V], transposed by XLA (default: token-major, no transpose)
 The pallas pass refuses chunks over 128 (shared memory); those rows say "skipped".
 Each is compiled (seconds recorded), run once, then timed: the median over --reps of
 --iters back-to-back calls, forward alone (o and the final state) and forward + backward
-(jax.value_and_grad of sum(o) wrt q, k, v, log_decay, beta). Every row also gives the max
+(jax.value_and_grad wrt q, k, v, log_decay, beta of --loss: `sum`, sum(o), or
+`gated_norm`, sum(RMSNorm(o) * W) over V with fixed W, as the mixers' gated output norm
+reads o, so dO is a real tensor rather than a broadcast one). Every row also gives the max
 abs difference of its o, final state and gradients from the first variant (sequential at the
 shape's first chunk size, 64 for the GDN shapes), so no speed stands without its check.
 Inputs: L2-normalized q (times K^-1/2) and k, Gaussian v, sigmoid beta, log decays
@@ -82,7 +86,9 @@ VARIANTS = {  # name: (state_pass, scan_unroll, pallas launch settings (None: th
     "pallas_ieee": ("pallas", 1, StatePassConfig(dot_precision="ieee"), "blocks"),
     "pallas_doubling": ("pallas", 1, None, "doubling"),
     "pallas_triangular": ("pallas", 1, None, "triangular"),
+    "pallas_chunk_outputs": ("pallas", 1, StatePassConfig(token_major_outputs=False), "blocks"),
 }
+LOSSES = ("sum", "gated_norm")
 ARGNAMES = ("q", "k", "v", "log_decay", "beta")
 
 
@@ -126,21 +132,38 @@ def max_abs_diff(a, b) -> float:
     )
 
 
-def variant_fns(s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, solve):
+def gated_norm_loss(o_BTHV):
+    """sum(RMSNorm(o) * W) over V, W fixed: what the mixers' gated output norm makes of o."""
+    w = jnp.cos(jnp.arange(o_BTHV.shape[-1], dtype=jnp.float32))
+    return jnp.sum(o_BTHV * jax.lax.rsqrt(jnp.mean(o_BTHV * o_BTHV, -1, keepdims=True) + 1e-6) * w)
+
+
+def variant_fns(
+    s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, solve, loss="sum"
+):
     """(forward, forward + backward) of one variant: `recurrent_chunked` -> (o, final S), and
-    jax.value_and_grad of sum(o) wrt every input."""
+    jax.value_and_grad of the named loss of o (`LOSSES`) wrt every input."""
     kw = dict(delta_rule=s.delta_rule, chunk_size=chunk, state_pass=state_pass)
     kw.update(scan_unroll=unroll, pallas_config=pallas_config, solve=solve)
     fwd = lambda *a: recurrent_chunked(*a, **kw)
-    loss = lambda *a: jnp.sum(fwd(*a)[0])
-    return fwd, jax.value_and_grad(loss, argnums=tuple(range(len(ARGNAMES))))
+    of_o = jnp.sum if loss == "sum" else gated_norm_loss
+    return fwd, jax.value_and_grad(lambda *a: of_o(fwd(*a)[0]), argnums=tuple(range(len(ARGNAMES))))
 
 
 def bench_variant(
-    s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, solve, args, iters, reps
+    s: Shape,
+    chunk: int,
+    state_pass: str,
+    unroll: int,
+    pallas_config,
+    solve,
+    args,
+    iters,
+    reps,
+    loss="sum",
 ):
     """Row of one variant plus its (forward outputs, gradients) for the checks."""
-    fwd, fwdbwd = variant_fns(s, chunk, state_pass, unroll, pallas_config, solve)
+    fwd, fwdbwd = variant_fns(s, chunk, state_pass, unroll, pallas_config, solve, loss)
     fwd_c, fwd_compile = compiled_and_seconds(fwd, args)
     out, fwd_s = median_seconds(fwd_c, args, iters, reps)
     del fwd_c
@@ -180,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=tuple(SHAPES), default="569m")
     p.add_argument("--chunks", default="", help="comma-separated (default: the shape's)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"from {tuple(VARIANTS)}")
+    p.add_argument("--loss", choices=LOSSES, default="sum", help="what fwd+bwd differentiates")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget", type=float, default=150.0, help="seconds; later variants skip")
@@ -206,7 +230,9 @@ def main(argv=None) -> int:
                 )
                 continue
             try:
-                result, outputs = bench_variant(s, chunk, *VARIANTS[name], x, args.iters, args.reps)
+                result, outputs = bench_variant(
+                    s, chunk, *VARIANTS[name], x, args.iters, args.reps, args.loss
+                )
                 row.update(result)
                 ref = outputs if ref is None else ref
                 (o, S), grads = outputs
@@ -226,6 +252,7 @@ def main(argv=None) -> int:
         device=jax.devices()[0].device_kind,
         shape=dict(dataclasses.asdict(s), name=args.shape),
         reference=ref_name,
+        loss=args.loss,
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         rows=rows,
         seconds=time.time() - start,

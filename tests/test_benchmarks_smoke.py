@@ -291,6 +291,12 @@ def test_recurrence_speed_script_tiny(tmp_path):
     for r in result["rows"]:
         assert r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 and r["max_abs_o"] > 1e-2
         assert max(r["diff_o"], r["diff_state"], r["diff_grads"]) < 1e-5
+    layouts = ["--chunks", "8", "--loss", "gated_norm"]
+    layouts += ["--variants", "sequential,pallas,pallas_chunk_outputs"]
+    assert recurrence_speed.main(argv + layouts) == 0
+    result = json.load(open(tmp_path / "recurrence_speed_tiny.json"))
+    assert result["loss"] == "gated_norm" and len(result["rows"]) == 3
+    assert all(max(r["diff_o"], r["diff_state"], r["diff_grads"]) < 1e-5 for r in result["rows"])
     skipped = ["--chunks", "16", "--variants", "sequential,unroll16", "--budget", "0"]
     assert recurrence_speed.main(argv + skipped) == 0
     rows = json.load(open(tmp_path / "recurrence_speed_tiny.json"))["rows"]

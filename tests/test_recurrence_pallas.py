@@ -49,28 +49,39 @@ CASES = {
 }
 
 
+def _token_major(o_NBHCV):
+    """[N, B, H, C, V] -> [B, N * C, H, V] (chunk n's row r is token n * C + r)."""
+    N, B, H, C, V = o_NBHCV.shape
+    return jnp.moveaxis(o_NBHCV, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)
+
+
+@pytest.mark.parametrize("token_major", [True, False], ids=["token_major", "chunk_layout"])
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_pallas_pass_matches_sequential_scan(case):
+def test_pallas_pass_matches_sequential_scan(case, token_major):
     """Outputs, final state and the gradients of all seven inputs (start state included)
     under random cotangents equal the scan's to f32 rounding, for the delta and plain rules,
-    per-head and per-channel decays, one to four V blocks, padded and kernel-sized dims."""
+    per-head and per-channel decays, one to four V blocks, padded and kernel-sized dims, with
+    the outputs (and their cotangents) token-major or in the chunk layout."""
     *dims, G, plain, block_v = case
     N, B, H, C, K, V = dims
     ops = _operands(0, N, B, H, C, K, V, G, plain)
     rng = np.random.default_rng(1)
     w_o = jnp.asarray(rng.standard_normal((N, B, H, C, V)), jnp.float32)
     w_s = jnp.asarray(rng.standard_normal((B, H, K, V)), jnp.float32)
-    config = StatePassConfig(block_v=block_v)
+    config = StatePassConfig(block_v=block_v, token_major_outputs=token_major)
+
+    layout = _token_major if token_major else (lambda o: o)
 
     def run(state_pass):
         def loss(ops):
             o, S = state_pass(*ops)
-            return jnp.sum(o * w_o) + jnp.sum(S * w_s), (o, S)
+            return jnp.sum(o * layout(w_o)) + jnp.sum(S * w_s), (o, S)
 
         return jax.jit(jax.value_and_grad(loss, has_aux=True))(ops)
 
-    (_, want), want_grads = run(sequential_state_pass)
+    (_, want), want_grads = run(lambda *ops: _with_layout(sequential_state_pass(*ops), layout))
     (_, got), got_grads = run(lambda *ops: pallas_state_pass(*ops, config=config))
+    assert got[0].shape == layout(w_o).shape
     assert float(jnp.max(jnp.abs(want[0]))) > 1.0  # the outputs carry the state
     _assert_close(got[0], want[0], "o")
     _assert_close(got[1], want[1], "final state")
@@ -81,6 +92,11 @@ def test_pallas_pass_matches_sequential_scan(case):
             _assert_close(g, w, "d" + name)
 
 
+def _with_layout(o_and_S, layout):
+    o, S = o_and_S
+    return layout(o), S
+
+
 @pytest.mark.skipif(
     JAX_011,
     reason=f"the Triton IR capture uses jax 0.10's private lowering; this is jax {jax.__version__}",
@@ -89,15 +105,16 @@ def test_pallas_pass_matches_sequential_scan(case):
 def test_kernels_lower_to_triton_at_569m_shape(plain):
     """Forward and backward lower for CUDA (Triton blocks legal) at gdn_gqa-569m's GDN shape
     (N 64, B 8, H 8, C 64, K = V = 128), one launch each: 4 dots forward and 4 backward for
-    the delta rule (3 and 3 for the plain rule), all in tf32 unless asked for ieee."""
+    the delta rule (3 and 3 for the plain rule), all in tf32 unless asked for ieee; with the
+    outputs token-major (the default) and in the chunk layout."""
     from pallas_kernels.fp8_attention.triton.triton_ir import lower_for_cuda
 
     N, B, H, C, K, V = 64, 8, 8, 64, 128, 128
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     ops = (f32(B, H, K, V), f32(N, B, H, C, V), None if plain else f32(N, B, H, C, K))
     ops += (f32(N, B, H, C, K), f32(N, B, H, C, C), f32(N, B, H, C, K), f32(N, B, H, 1, 1))
-    for precision in ("tf32", "ieee"):
-        config = StatePassConfig(dot_precision=precision)
+    for precision, token_major in (("tf32", True), ("ieee", True), ("tf32", False)):
+        config = StatePassConfig(dot_precision=precision, token_major_outputs=token_major)
 
         def loss(*ops):
             o, S = pallas_state_pass(*ops, config=config, interpret=False)

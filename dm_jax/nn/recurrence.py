@@ -300,20 +300,25 @@ def recurrent_chunked(
     pass_kw = dict(fold=initial_state_BHKV is not None, unroll=scan_unroll, config=pallas_config)
     with jax.named_scope("state_pass"):
         o, S = _state_pass(state_pass, S0, u_part, w_part, qg, P, k_end, gam_end, **pass_kw)
-    o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V)[:, :T]
-    return o, S
+    return o[:, :T], S
 
 
 def _state_pass(state_pass, S0, u_part, w_part, qg, P, k_end, gam_end, *, fold, unroll, config):
-    """(o_NBHCV, final S) by the named pass (module docstring); `fold`: S0 is a given state."""
+    """(o [B, N * C, H, V], final S) by the named pass (module docstring); `fold`: S0 is a
+    given state. The pallas pass writes o token-major itself (by default); the others
+    return [N, B, H, C, V], transposed here."""
     if state_pass == "pallas":
+        config = StatePassConfig() if config is None else config
         o, S = pallas_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, config=config)
+        if config.token_major_outputs:
+            return o, S
     elif state_pass == "sequential":
         o, S = sequential_state_pass(S0, u_part, w_part, qg, P, k_end, gam_end, unroll)
     else:
         starts, S = _associative_starts(S0, fold, u_part, w_part, k_end, gam_end)
         _, o = _chunk_out(starts, u_part, w_part, qg, P)
-    return o, S
+    N, B, H, C, V = o.shape
+    return jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, N * C, H, V), S
 
 
 def sequential_state_pass(S0_BHKV, u_p, w_p, qg, P, k_end, gam_end, unroll: int = 1):

@@ -3,7 +3,9 @@
 
 `pallas_state_pass` takes the chunked form's per-chunk operands (layout [N, B, H, C, X]) and
 returns every chunk's output and the final state, as the sequential pass's `lax.scan` does,
-in one kernel launch forward and one backward. The forward under differentiation writes each
+in one kernel launch forward and one backward. With `StatePassConfig.token_major_outputs`
+(the default) the outputs come token-major, [B, N * C, H, V], and their cotangents are read
+so: the model's layout, with no transpose of either in XLA. The forward under differentiation writes each
 chunk's start state [N, B, H, K, V] float32 (the residual the backward reads; the
 sequential scan's autodiff keeps the same states); the plain forward does not.
 
@@ -72,8 +74,10 @@ def pallas_state_pass(
     config: Optional[StatePassConfig] = None,
     interpret: Optional[bool] = None,
 ):
-    """`dm_jax.nn.recurrence.sequential_state_pass` (same operands and results: o_NBHCV and
-    the final S_BHKV, float32) in one Pallas kernel per direction.
+    """`dm_jax.nn.recurrence.sequential_state_pass` (same operands and results: o and the
+    final S_BHKV, float32) in one Pallas kernel per direction. o is [N, B, H, C, V] as the
+    scan's, or token-major [B, N * C, H, V] with ``config.token_major_outputs`` (the
+    default; chunk n's row r is token n * C + r).
 
     gam_end [N, B, H, G, 1]: G = 1 (one decay per head) or K (per key channel).
     ``config``: launch settings (None: the defaults); ``interpret``: None runs the compiled
@@ -93,4 +97,6 @@ def pallas_state_pass(
         gam_end=_pad_to(jnp.broadcast_to(gam_end[..., 0], (N, B, H, K)), (Kp,)),
     )
     o, S = _shared_state_pass(config, interpret, _pad_to(S0_BHKV, (Kp, Vp)), steps)
+    if config.token_major_outputs:  # [B, N, Cp, H, Vp]
+        return o[:, :, :C, :, :V].reshape(B, N * C, H, V), S[..., :K, :V]
     return o[..., :C, :V], S[..., :K, :V]

@@ -1,8 +1,10 @@
 """Block specs and dots shared by the forward and backward kernels.
 
 Layout: per-chunk operands [N, B, H, C, X] (the chunked form's layout), decays [N, B, H, K],
-states [B, H, K, V] (and [N, B, H, K, V] for every chunk's start state). The grid is
-(B, H, V // block_v); each program sees all N chunks of its (batch, head) and loops over them.
+states [B, H, K, V] (and [N, B, H, K, V] for every chunk's start state). The outputs o and
+their cotangents dO may instead be token-major, [B, N, C, H, V] (a reshape of the model's
+[B, T, H, V], so neither direction transposes them in XLA). The grid is (B, H, V // block_v);
+each program sees all N chunks of its (batch, head) and loops over them.
 """
 
 from __future__ import annotations
@@ -53,6 +55,22 @@ def chunks_spec(n: int, c: int, x: int, v_blocked: bool) -> pl.BlockSpec:
     """All N chunks of one (batch, head): [N, C, x] of [N, B, H, C, X] (x = X, or the
     program's V block when v_blocked)."""
     return pl.BlockSpec((n, None, None, c, x), lambda b, h, j: (0, b, h, 0, j if v_blocked else 0))
+
+
+def tokens_spec(n: int, c: int, vb: int) -> pl.BlockSpec:
+    """All N chunks of one (batch, head), V block j, of token-major outputs: [N, C, vb] of
+    [B, N, C, H, V] (each chunk's rows are H * V apart: strided, not transposed)."""
+    return pl.BlockSpec((None, n, c, None, vb), lambda b, h, j: (b, 0, 0, h, j))
+
+
+def outputs_spec(n: int, c: int, vb: int, token_major: bool) -> pl.BlockSpec:
+    """The spec of o (and of dO): token-major or in the chunk operands' layout."""
+    return tokens_spec(n, c, vb) if token_major else chunks_spec(n, c, vb, v_blocked=True)
+
+
+def outputs_shape(n: int, b: int, h: int, c: int, v: int, token_major: bool) -> tuple:
+    """[B, N, C, H, V] (token-major) or [N, B, H, C, V]."""
+    return (b, n, c, h, v) if token_major else (n, b, h, c, v)
 
 
 def decays_spec(n: int, k: int) -> pl.BlockSpec:

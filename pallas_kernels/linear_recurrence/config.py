@@ -28,7 +28,14 @@ class StatePassConfig:
     3.6 for sm_90 at K = V = 128, C = 64 (timed on the H200: docs/models.md): one stage,
     80 KiB of shared memory per block, 8 warps (no register spills forward, 104 bytes
     backward); two stages need 264-320 KiB, over Hopper's 227 KiB per block. block_v 32 with
-    4 warps needs 56 KiB and about 210 registers a thread, no spills: two programs per SM."""
+    4 warps needs 56 KiB and about 210 registers a thread, no spills: two programs per SM.
+
+    token_major_outputs: the forward writes o, and the backward reads dO, token-major
+    ([B, N * C, H, V], the layout the model reads the mixer's output in) instead of in the
+    chunk operands' [N, B, H, C, V]; the backward then writes dO's chunk-layout copy for its
+    batched matmuls itself. Either way the same values: it moves the transposes XLA would
+    otherwise run on o and dO (134 MB of float32 each per GDN layer at 569m, 8 x 4096) into
+    the kernels' strided loads and stores."""
 
     block_v: int = 64
     forward_warps: int = 8
@@ -36,6 +43,7 @@ class StatePassConfig:
     backward_warps: int = 8
     backward_stages: int = 1
     dot_precision: str = "tf32"
+    token_major_outputs: bool = True
 
     def __post_init__(self):
         if not _power_of_two(self.block_v) or self.block_v < MIN_DOT:

@@ -52,8 +52,9 @@ def forward(
     store_states: bool,
     interpret: bool = False,
 ):
-    """(o_NBHCV, S_end_BHKV, starts_NBHKV or None), all float32, from the start state S0
-    [B, H, K, V] through the chunks of ``steps``.
+    """(o, S_end_BHKV, starts_NBHKV or None), all float32, from the start state S0
+    [B, H, K, V] through the chunks of ``steps``. o is [B, N, C, H, V] with
+    ``config.token_major_outputs``, else [N, B, H, C, V].
 
     C, K, V: powers of two >= 16 (the caller pads); V is split into blocks of
     ``config.block_v``. ``starts`` (with ``store_states``): every chunk's start state.
@@ -63,9 +64,10 @@ def forward(
     vb = min(config.block_v, V)
     plain = steps.w_p is None
     per_v = common.chunks_spec(N, C, vb, v_blocked=True)
-    out_specs = [per_v, common.state_spec(K, vb)]
+    token_major = config.token_major_outputs
+    out_specs = [common.outputs_spec(N, C, vb, token_major), common.state_spec(K, vb)]
     out_shape = [
-        jax.ShapeDtypeStruct((N, B, H, C, V), F32),
+        jax.ShapeDtypeStruct(common.outputs_shape(N, B, H, C, V, token_major), F32),
         jax.ShapeDtypeStruct((B, H, K, V), F32),
     ]
     if store_states:
