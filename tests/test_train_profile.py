@@ -1,5 +1,6 @@
 """`python -m train.profile_step`: a profiled step summarised by layer kind and op class."""
 
+import gzip
 import json
 import os
 
@@ -40,14 +41,22 @@ def test_summary_of_a_profiled_function(tmp_path):
             compiled(x, x).block_until_ready()
     ops = trace_summary.op_events(trace_summary.read_trace(str(tmp_path)), "jit_f")
     assert ops, "the trace holds no operation of the function"
-    summary = trace_summary.summarize(ops, trace_summary.op_names(compiled.as_text()), 1.0, 2)
+    hlo = compiled.as_text()
+    shapes = trace_summary.instruction_shapes(hlo)
+    summary = trace_summary.summarize(ops, trace_summary.op_names(hlo), 1.0, 2, shapes=shapes)
     shares = summary["by_op_class"]
     assert shares["mixer"][0] > 0 and shares["ffn"][0] > 0
     assert sum(share for _, share in shares.values()) == pytest.approx(1.0)
     assert summary["by_direction"]["backward"][0] > 0
     assert any("ffn" in name for name in summary["top_op_names"])
+    top = summary["top_instructions"]
+    assert sum(secs for secs, *_ in top.values()) == pytest.approx(summary["op_s"])
+    assert all(n >= 1 for _, n, _, _ in top.values())
+    assert any(
+        shape.startswith("f32[256,256]") and "ffn" in name for _, _, name, shape in top.values()
+    )
     md = trace_summary.markdown(summary, "toy")
-    assert "| mixer |" in md and "| host |" in md
+    assert "| mixer |" in md and "| host |" in md and "| instruction |" in md
 
 
 def test_profile_step_writes_json_and_markdown(tmp_path, capsys, monkeypatch):
@@ -71,6 +80,9 @@ def test_profile_step_writes_json_and_markdown(tmp_path, capsys, monkeypatch):
     )
     md = (out / "profile.md").read_text()
     assert "| attention_core |" in md and "the bound on any attention speed-up" in md
+    with gzip.open(out / "step_hlo.txt.gz", "rt") as f:
+        hlo = f.read()
+    assert "ENTRY" in hlo and all(op in hlo for op in payload["top_instructions"])
     assert "tokens/s" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         profile_step.main(["--preset", "gqa-tiny"])  # --out is required

@@ -6,8 +6,10 @@ batch, sequence length, --scan-layers, --remat, ...), compiles the step (timed),
 
     DIR/profile.json   seconds per step by layer kind, op class and direction, the step
                        time, tokens/s, model FLOP/s and MFU, compile seconds; on a GPU
-                       also its streams' busy time and the trace's timelines (`threads`)
+                       also its streams' busy time and the trace's timelines (`threads`);
+                       the costliest HLO instructions with their shapes (`top_instructions`)
     DIR/profile.md     the same as markdown tables
+    DIR/step_hlo.txt.gz  the compiled step's HLO: what each fused instruction computes
     DIR/trace/         the raw profile (TensorBoard / Perfetto / xprof)
 
 On a GPU, XLA runs runs of kernels as CUDA command buffers (graphs), which the trace shows
@@ -24,6 +26,7 @@ Example (one H200, a few minutes):
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
 import sys
 import tempfile
@@ -94,12 +97,16 @@ def profile(cfg, *, out: str, warmup: int = 2, steps: int = 3) -> dict:
         jax.block_until_ready((params, opt_state, stats))
         wall_s = time.perf_counter() - t0
     trace_events = trace_summary.read_trace(trace_dir)
-    names = trace_summary.op_names(compiled.as_text())
+    hlo_text = compiled.as_text()
+    names = trace_summary.op_names(hlo_text)
     ops = trace_summary.op_events(trace_events, "train_step", names)
     if not ops:
         print(f"warning: no operation of the step found in {trace_dir}; the table is host only")
     busy_s = trace_summary.stream_busy(trace_events, "train_step")
-    summary = trace_summary.summarize(ops, names, wall_s, steps, busy_s=busy_s)
+    shapes = trace_summary.instruction_shapes(hlo_text)
+    summary = trace_summary.summarize(ops, names, wall_s, steps, busy_s=busy_s, shapes=shapes)
+    with gzip.open(os.path.join(out, "step_hlo.txt.gz"), "wt") as f:  # the fusions' bodies
+        f.write(hlo_text)
     tokens_per_s = cfg.batch_size * cfg.seq_len / summary["step_s"]
     payload = dict(
         preset=cfg.model.name,

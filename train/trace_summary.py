@@ -41,7 +41,10 @@ OP_CLASSES = (
 # slice of it, and the residuals each iteration writes for the backward pass.
 _SCAN_WORDS = {"while", "stack"}
 TOP = 15
+TOP_INSTRUCTIONS = 40  # the costliest HLO instructions kept with their shape and op_name
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
+_SHAPE_AND_OPCODE = re.compile(r"=\s*(.+?)\s+([\w\-]+)\(")
+_FUSION_KIND = re.compile(r"kind=(k\w+)")
 _OP_NAME = re.compile(r'metadata=\{[^}]*op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -69,6 +72,22 @@ def op_names(hlo_text: str) -> dict:
         if callee in inside:
             names[instruction] = inside[callee]
     return names
+
+
+def instruction_shapes(hlo_text: str) -> dict:
+    """{instruction name: "result shape opcode[fusion kind]"} of an HLO module text, e.g.
+    "f32[8,4096,8,128]{3,2,1,0} fusion[kLoop]": what a profile's costliest kernels are (the
+    fused computations' bodies are in the step's HLO text, `profile_step` keeps it)."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTRUCTION.match(line)
+        shape = m and _SHAPE_AND_OPCODE.search(line, m.end() - 1)
+        if shape:
+            kind = _FUSION_KIND.search(line)
+            out[m.group(1)] = f"{shape.group(1)} {shape.group(2)}" + (
+                f"[{kind.group(1)}]" if kind else ""
+            )
+    return out
 
 
 def scope_words(op_name: str) -> set[str]:
@@ -237,7 +256,12 @@ def _leaves(events: list[dict]) -> list[dict]:
 
 
 def summarize(
-    events: list[dict], names: dict, wall_s: float, steps: int, busy_s: float | None = None
+    events: list[dict],
+    names: dict,
+    wall_s: float,
+    steps: int,
+    busy_s: float | None = None,
+    shapes: dict | None = None,
 ) -> dict:
     """Seconds per step by layer kind, op class and direction, with their shares of the step.
 
@@ -246,13 +270,18 @@ def summarize(
     Returns {"step_s", "op_s", "host_s", "busy_s", "unattributed_s", "by_layer_kind",
     "by_op_class", "by_direction", "top_op_names", "unnamed_ops"} (seconds per step; each
     "by_*" maps to [seconds, share]; the last two hold the `TOP` costliest op_names and
-    unnamed ops). With `busy_s`, kernel time beyond the named operations' is
-    "unattributed" and host time is the step minus the busy time."""
+    unnamed ops), and "top_instructions": the `TOP_INSTRUCTIONS` costliest HLO instructions,
+    {instruction: [seconds, launches per step, op_name, shape and opcode from `shapes`
+    (`instruction_shapes`) or ""]}. With `busy_s`, kernel time beyond the named operations'
+    is "unattributed" and host time is the step minus the busy time."""
     tables = {k: collections.Counter() for k in ("by_layer_kind", "by_op_class", "by_direction")}
     unnamed, by_op_name = collections.Counter(), collections.Counter()
+    by_instruction, launches = collections.Counter(), collections.Counter()
     for e in events:
         op = e["args"]["hlo_op"]
         seconds = float(e.get("dur", 0.0)) * 1e-6 / steps
+        by_instruction[op] += seconds
+        launches[op] += 1 / steps
         op_name = names.get(op)
         if op_name is None:
             unnamed[op] += seconds
@@ -285,6 +314,10 @@ def summarize(
         unattributed_s=unattributed,
         top_op_names=dict(by_op_name.most_common(TOP)),
         unnamed_ops=dict(unnamed.most_common(TOP)),
+        top_instructions={
+            op: [secs, round(launches[op], 2), names.get(op, ""), (shapes or {}).get(op, "")]
+            for op, secs in by_instruction.most_common(TOP_INSTRUCTIONS)
+        },
         **out,
     )
 
@@ -320,4 +353,13 @@ def markdown(summary: dict, title: str) -> str:
         lines += ["", f"| {label} | ms / step | share |", "| --- | ---: | ---: |"]
         for name, (seconds, share) in summary[key].items():
             lines.append(f"| {name} | {seconds * 1e3:.2f} | {share:.1%} |")
+    top = list(summary.get("top_instructions", {}).items())[:TOP]
+    if top:
+        lines += [
+            "",
+            "| instruction | ms / step | launches / step | shape, opcode | op_name |",
+            "| --- | ---: | ---: | --- | --- |",
+        ]
+        for op, (seconds, n, op_name, shape) in top:
+            lines.append(f"| {op} | {seconds * 1e3:.2f} | {n:g} | {shape} | {op_name} |")
     return "\n".join(lines) + "\n"
