@@ -89,6 +89,7 @@ profile)
   echo "profile exit $?"
   cp "$R/profile-$ARM/profile.json" "$OUT/profile-$ARM.json" 2>/dev/null
   cp "$R/profile-$ARM/profile.md" "$OUT/profile-$ARM.md" 2>/dev/null
+  cp "$R/profile-$ARM/step_hlo.txt.gz" "$OUT/profile-$ARM.step_hlo.txt.gz" 2>/dev/null
   cat "$OUT/profile-$ARM.md" 2>/dev/null || tail -30 "$OUT/profile-$ARM.log"
   ;;
 unscanned)
