@@ -17,6 +17,9 @@ for each chunk size of the shape and each state pass (--variants):
                systems solved by `solve="doubling"` / `"triangular"` (default "blocks")
   pallas_chunk_outputs   the pallas pass writing o (and reading dO) in the chunk layout
                [N, B, H, C, V], transposed by XLA (default: token-major, no transpose)
+  pallas_chunk_local   the pallas pass with the chunk-local stage (decays, A, the solve, P,
+               qg, K_end) in one Pallas kernel per direction too (`chunk_local="pallas"`;
+               default: XLA's stages); sequential_chunk_local: the same with the scan
 The pallas pass refuses chunks over 128 (shared memory); those rows say "skipped".
 Each is compiled (seconds recorded), run once, then timed: the median over --reps of
 --iters back-to-back calls, forward alone (o and the final state) and forward + backward
@@ -47,7 +50,8 @@ import jax
 import jax.numpy as jnp
 
 from dm_jax.nn.recurrence import recurrent_chunked
-from pallas_kernels.linear_recurrence.config import MAX_COMPILED_CHUNK, StatePassConfig
+from pallas_kernels.chunk_local.config import MAX_CHUNK
+from pallas_kernels.linear_recurrence.config import MAX_COMPILED_CHUNK, MIN_DOT, StatePassConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,23 +74,32 @@ SHAPES = {
     "tiny": Shape(1, 40, 2, 8, 8, 1, True, (8, 16)),  # CPU check of the script
 }
 VARIANTS = {  # name: (state_pass, scan_unroll, pallas launch settings (None: the defaults),
-    # the delta rule's triangular solve)
-    "sequential": ("sequential", 1, None, "blocks"),
-    "pallas": ("pallas", 1, None, "blocks"),
-    "associative": ("associative", 1, None, "blocks"),
-    "unroll4": ("sequential", 4, None, "blocks"),
-    "unroll16": ("sequential", 16, None, "blocks"),
-    "pallas_w4": ("pallas", 1, StatePassConfig(forward_warps=4, backward_warps=4), "blocks"),
+    # the delta rule's triangular solve, how the chunks' own operands are formed)
+    "sequential": ("sequential", 1, None, "blocks", "xla"),
+    "pallas": ("pallas", 1, None, "blocks", "xla"),
+    "associative": ("associative", 1, None, "blocks", "xla"),
+    "unroll4": ("sequential", 4, None, "blocks", "xla"),
+    "unroll16": ("sequential", 16, None, "blocks", "xla"),
+    "pallas_w4": ("pallas", 1, StatePassConfig(forward_warps=4, backward_warps=4), "blocks", "xla"),
     "pallas_v32": (
         "pallas",
         1,
         StatePassConfig(block_v=32, forward_warps=4, backward_warps=4),
         "blocks",
+        "xla",
     ),
-    "pallas_ieee": ("pallas", 1, StatePassConfig(dot_precision="ieee"), "blocks"),
-    "pallas_doubling": ("pallas", 1, None, "doubling"),
-    "pallas_triangular": ("pallas", 1, None, "triangular"),
-    "pallas_chunk_outputs": ("pallas", 1, StatePassConfig(token_major_outputs=False), "blocks"),
+    "pallas_ieee": ("pallas", 1, StatePassConfig(dot_precision="ieee"), "blocks", "xla"),
+    "pallas_doubling": ("pallas", 1, None, "doubling", "xla"),
+    "pallas_triangular": ("pallas", 1, None, "triangular", "xla"),
+    "pallas_chunk_outputs": (
+        "pallas",
+        1,
+        StatePassConfig(token_major_outputs=False),
+        "blocks",
+        "xla",
+    ),
+    "pallas_chunk_local": ("pallas", 1, None, "blocks", "pallas"),
+    "sequential_chunk_local": ("sequential", 1, None, "blocks", "pallas"),
 }
 LOSSES = ("sum", "gated_norm")
 ARGNAMES = ("q", "k", "v", "log_decay", "beta")
@@ -139,12 +152,19 @@ def gated_norm_loss(o_BTHV):
 
 
 def variant_fns(
-    s: Shape, chunk: int, state_pass: str, unroll: int, pallas_config, solve, loss="sum"
+    s: Shape,
+    chunk: int,
+    state_pass: str,
+    unroll: int,
+    pallas_config,
+    solve,
+    chunk_local="xla",
+    loss="sum",
 ):
     """(forward, forward + backward) of one variant: `recurrent_chunked` -> (o, final S), and
     jax.value_and_grad of the named loss of o (`LOSSES`) wrt every input."""
     kw = dict(delta_rule=s.delta_rule, chunk_size=chunk, state_pass=state_pass)
-    kw.update(scan_unroll=unroll, pallas_config=pallas_config, solve=solve)
+    kw.update(scan_unroll=unroll, pallas_config=pallas_config, solve=solve, chunk_local=chunk_local)
     fwd = lambda *a: recurrent_chunked(*a, **kw)
     of_o = jnp.sum if loss == "sum" else gated_norm_loss
     return fwd, jax.value_and_grad(lambda *a: of_o(fwd(*a)[0]), argnums=tuple(range(len(ARGNAMES))))
@@ -157,13 +177,14 @@ def bench_variant(
     unroll: int,
     pallas_config,
     solve,
+    chunk_local,
     args,
     iters,
     reps,
     loss="sum",
 ):
     """Row of one variant plus its (forward outputs, gradients) for the checks."""
-    fwd, fwdbwd = variant_fns(s, chunk, state_pass, unroll, pallas_config, solve, loss)
+    fwd, fwdbwd = variant_fns(s, chunk, state_pass, unroll, pallas_config, solve, chunk_local, loss)
     fwd_c, fwd_compile = compiled_and_seconds(fwd, args)
     out, fwd_s = median_seconds(fwd_c, args, iters, reps)
     del fwd_c
@@ -228,6 +249,10 @@ def main(argv=None) -> int:
                 rows.append(
                     dict(row, error=f"skipped: pallas pass needs C <= {MAX_COMPILED_CHUNK}")
                 )
+                continue
+            if VARIANTS[name][4] == "pallas" and not (MIN_DOT <= chunk <= MAX_CHUNK and s.g == 1):
+                why = f"skipped: chunk-local kernels need {MIN_DOT} <= C <= {MAX_CHUNK}, G = 1"
+                rows.append(dict(row, error=why))
                 continue
             try:
                 result, outputs = bench_variant(

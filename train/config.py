@@ -23,7 +23,7 @@ from dm_jax.arms import ARM_NAMES as ATTENTION_ARMS
 from dm_jax.backends import IMPLEMENTATIONS
 from dm_jax.baselines import DOCUMENT_MODES, PACKED_MAX_DOCUMENTS
 from dm_jax.nn.fp8 import SCALINGS
-from dm_jax.nn.recurrence import STATE_PASSES
+from dm_jax.nn.recurrence import CHUNK_LOCALS, STATE_PASSES
 from dm_jax.models.config import REMAT_POLICIES
 from train import xla_flags
 
@@ -255,6 +255,7 @@ class RunConfig:
         "remat",
         "state_pass",
         "state_scan_unroll",
+        "chunk_local",
         "cudnn_documents",
         "fused_projections",
     )
@@ -533,6 +534,14 @@ def build_parser() -> argparse.ArgumentParser:
         "the same math (docs/models.md)",
     )
     a(
+        "--chunk-local",
+        default=None,
+        choices=CHUNK_LOCALS,
+        help="how the GDN and Mamba-2 mixers form each chunk's own operands (pair decays, "
+        "the delta rule's solve): xla (default) or pallas (one kernel per direction, the "
+        "[C, C] matrices kept on chip); KDA always uses xla; the same math (docs/models.md)",
+    )
+    a(
         "--state-scan-unroll",
         type=int,
         default=None,
@@ -694,6 +703,7 @@ FLAG_FIELDS = {
     "remat": ("model.overrides.remat",),
     "state_pass": ("model.overrides.state_pass",),
     "state_scan_unroll": ("model.overrides.state_scan_unroll",),
+    "chunk_local": ("model.overrides.chunk_local",),
     "fused_projections": ("model.overrides.fused_projections",),
     "steps": ("steps",),
     "batch_size": ("batch_size",),
@@ -845,6 +855,7 @@ def _from_args(args) -> RunConfig:
         remat=args.remat,
         state_pass=args.state_pass,
         state_scan_unroll=args.state_scan_unroll,
+        chunk_local=args.chunk_local,
         fused_projections=onoff[args.fused_projections],
         vocab_size=data_lib.vocab_size(data),
     )

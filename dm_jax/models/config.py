@@ -41,7 +41,7 @@ from dm_jax.arms import ARMS, FP8_ARMS, check_arm
 from dm_jax.backends import IMPLEMENTATIONS
 from dm_jax.baselines import check_documents
 from dm_jax.nn.fp8 import check_scaling
-from dm_jax.nn.recurrence import check_state_pass, resolve_state_pass
+from dm_jax.nn.recurrence import check_chunk_local_name, check_state_pass, resolve_state_pass
 
 MIXER_KINDS = ("gdn", "mamba2", "kda")
 ATTENTION_KINDS = ("attn", "mla")
@@ -95,6 +95,9 @@ class HybridConfig:
     # since it trained 569m 6.9% faster on the H200, docs/models.md)
     fused_projections: bool = True
     state_scan_unroll: int = 1  # the sequential state pass's lax.scan unroll
+    # how GDN and Mamba-2 form each chunk's own operands: "xla" or "pallas" (one kernel per
+    # direction; per-head decays only, so KDA keeps "xla")
+    chunk_local: str = "xla"
     # precision scopes: "fp8" | "bf16" (attn_core also "f32" for the reference arm)
     ffn: str = "fp8"
     attn_proj: str | None = None
@@ -133,6 +136,7 @@ class HybridConfig:
         if self.mixer_impl not in ("chunked", "naive"):
             raise ValueError(f"mixer_impl: must be 'chunked' or 'naive', got {self.mixer_impl!r}")
         check_state_pass(self.state_pass, self.state_scan_unroll, "state_scan_unroll")
+        check_chunk_local_name(self.chunk_local)
         if "mamba2" in self.pattern and (self.mamba_expand * self.d_model) % self.mamba_head_dim:
             raise ValueError(
                 f"mamba_head_dim: {self.mamba_head_dim} must divide mamba_expand * "

@@ -51,8 +51,11 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
         dtype=dtype,
         rngs=rngs,
     )
+    per_head_decay = dict(chunk_local=cfg.chunk_local)  # KDA's per-channel decay: XLA's form
     builders = {
-        "gdn": lambda: GatedDeltaNet(d, **linear, fused_projections=cfg.fused_projections),
+        "gdn": lambda: GatedDeltaNet(
+            d, **linear, **per_head_decay, fused_projections=cfg.fused_projections
+        ),
         "kda": lambda: KimiDeltaAttention(
             d,
             **dict(linear, chunk_size=cfg.kda_chunk_size),
@@ -64,6 +67,7 @@ def _make_mixer(kind: str, cfg: HybridConfig, dtype, rngs: nnx.Rngs) -> nnx.Modu
             state_dim=cfg.mamba_state_dim,
             expand=cfg.mamba_expand,
             **recurrent,
+            **per_head_decay,
         ),
         "attn": lambda: GQAttention(
             d, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, **attn

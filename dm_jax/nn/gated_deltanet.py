@@ -17,7 +17,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dm_jax.nn.fp8 import Linear, RMSNorm, fused_linear, split_widths
-from dm_jax.nn.recurrence import check_state_pass, init_dt_bias, init_log_A, run_recurrence
+from dm_jax.nn.recurrence import (
+    check_chunk_local_name,
+    check_state_pass,
+    init_dt_bias,
+    init_log_A,
+    run_recurrence,
+)
 from dm_jax.nn.sequence import ShortConv, short_conv
 
 QKV = ("q", "k", "v")
@@ -71,7 +77,8 @@ class ConvQKV(nnx.Module):
 
 class GatedDeltaNet(nnx.Module):
     """x_BTD -> y_BTD. `impl` picks the chunked (default) or naive recurrence; `chunk_size`,
-    `state_pass` and `scan_unroll` configure the chunked one (`recurrent_chunked`).
+    `state_pass`, `scan_unroll` and `chunk_local` configure the chunked one
+    (`recurrent_chunked`).
     `fused_projections`: the six projections of x (q, k, v, beta and the two gates' inputs)
     as one matmul and the three short convolutions as one (`fused_linear`; the same
     parameters, values equal to bf16 rounding).
@@ -92,16 +99,19 @@ class GatedDeltaNet(nnx.Module):
         chunk_size: int = 64,
         state_pass: str = "sequential",
         scan_unroll: int = 1,
+        chunk_local: str = "xla",
         fused_projections: bool = False,
         dtype=jnp.bfloat16,
         rngs: nnx.Rngs,
     ):
         check_state_pass(state_pass, scan_unroll)
+        check_chunk_local_name(chunk_local)
         H, K, V = num_heads, key_dim, value_dim
         self.H, self.K, self.V = H, K, V
         self.fused_projections = fused_projections
         self.impl, self.chunk_size = impl, chunk_size
         self.state_pass, self.scan_unroll = state_pass, scan_unroll
+        self.chunk_local = chunk_local
         self.qkv = ConvQKV(
             d_model,
             num_heads=H,
@@ -157,6 +167,7 @@ class GatedDeltaNet(nnx.Module):
             chunk_size=self.chunk_size,
             state_pass=self.state_pass,
             scan_unroll=self.scan_unroll,
+            chunk_local=self.chunk_local,
         )
         gate = self._output_gate(proj).reshape(B, T, self.H, self.V)
         o = (self.o_norm(o) * gate).astype(x_BTD.dtype).reshape(B, T, self.H * self.V)

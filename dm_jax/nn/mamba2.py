@@ -17,13 +17,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dm_jax.nn.fp8 import Linear, RMSNorm
-from dm_jax.nn.recurrence import check_state_pass, init_dt_bias, init_log_A, run_recurrence
+from dm_jax.nn.recurrence import (
+    check_chunk_local_name,
+    check_state_pass,
+    init_dt_bias,
+    init_log_A,
+    run_recurrence,
+)
 from dm_jax.nn.sequence import ShortConv
 
 
 class Mamba2(nnx.Module):
     """u_BTD -> y_BTD with H = expand * d_model / head_dim heads; `impl`, `chunk_size`,
-    `state_pass` and `scan_unroll` pick the recurrence's form as in `GatedDeltaNet`."""
+    `state_pass`, `scan_unroll` and `chunk_local` pick the recurrence's form as in
+    `GatedDeltaNet`."""
 
     def __init__(
         self,
@@ -37,10 +44,12 @@ class Mamba2(nnx.Module):
         chunk_size: int = 64,
         state_pass: str = "sequential",
         scan_unroll: int = 1,
+        chunk_local: str = "xla",
         dtype=jnp.bfloat16,
         rngs: nnx.Rngs,
     ):
         check_state_pass(state_pass, scan_unroll)
+        check_chunk_local_name(chunk_local)
         inner = expand * d_model
         if inner % head_dim:
             raise ValueError(
@@ -57,6 +66,7 @@ class Mamba2(nnx.Module):
         self.H, self.P, self.N, self.inner = H, P, N, inner
         self.impl, self.chunk_size = impl, chunk_size
         self.state_pass, self.scan_unroll = state_pass, scan_unroll
+        self.chunk_local = chunk_local
 
     def __call__(self, u_BTD: jax.Array, *, segment_ids: jax.Array | None = None) -> jax.Array:
         Bt, T, _ = u_BTD.shape
@@ -81,6 +91,7 @@ class Mamba2(nnx.Module):
             chunk_size=self.chunk_size,
             state_pass=self.state_pass,
             scan_unroll=self.scan_unroll,
+            chunk_local=self.chunk_local,
         )
         y = y + self.D.get_value()[:, None] * x.astype(jnp.float32)
         y = y.reshape(Bt, T, inner) * jax.nn.silu(z.astype(jnp.float32))

@@ -48,6 +48,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dm_jax.nn.chunk_local_pallas import check_chunk_local, pallas_chunk_local
 from dm_jax.nn.recurrence_pallas import pallas_state_pass
 from dm_jax.nn.sequence import document_starts
 from pallas_kernels.linear_recurrence.config import StatePassConfig, check_kernel_shapes
@@ -93,6 +94,14 @@ def check_state_pass(state_pass: str, scan_unroll: int = 1, unroll_name="scan_un
         raise ValueError(f"state_pass: must be one of {STATE_PASSES}, got {state_pass!r}")
     if isinstance(scan_unroll, bool) or not isinstance(scan_unroll, int) or scan_unroll < 1:
         raise ValueError(f"{unroll_name}: must be an int >= 1, got {scan_unroll!r}")
+
+
+CHUNK_LOCALS = ("xla", "pallas")  # how the chunked form makes the chunks' own operands
+
+
+def check_chunk_local_name(chunk_local: str) -> None:
+    if chunk_local not in CHUNK_LOCALS:
+        raise ValueError(f"chunk_local: must be one of {CHUNK_LOCALS}, got {chunk_local!r}")
 
 
 def _boundaries(segment_ids, B, T):
@@ -227,6 +236,8 @@ def recurrent_chunked(
     scan_unroll: int = 1,
     pallas_config=None,
     solve: str = "blocks",
+    chunk_local: str = "xla",
+    chunk_local_config=None,
 ):
     """Chunked parallel form of `recurrent_naive` (same arguments, same results).
 
@@ -237,8 +248,11 @@ def recurrent_chunked(
     None: the defaults). All change the schedule only: the math, and the results up to
     float rounding, are the same. `solve` picks how the delta rule's C x C unit
     lower-triangular systems are solved (`SOLVES`, `_solve_unit_lower`), also the schedule
-    only. The stages carry named scopes (chunk_prep, pair, solve, state_pass) that profiles
-    show.
+    only. `chunk_local` picks how the chunks' own operands (the decays, A, the solve, P,
+    qg, K_end) are formed: "xla" (the stages below, with named scopes chunk_prep, pair and
+    solve that profiles show) or "pallas" (one Pallas kernel per direction,
+    `dm_jax.nn.chunk_local_pallas`; one decay per head, C a power of two from 16 to 128;
+    `chunk_local_config` its launch settings), the same math up to float rounding.
     """
     _check(q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, segment_ids)
     check_state_pass(state_pass, scan_unroll)
@@ -246,6 +260,7 @@ def recurrent_chunked(
         raise ValueError(f"solve: must be one of {SOLVES}, got {solve!r}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    check_chunk_local_name(chunk_local)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     C = min(chunk_size, T)
@@ -254,6 +269,49 @@ def recurrent_chunked(
     pad = N * C - T
     seg = jnp.zeros((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     prev_seg = jnp.concatenate([seg[:, :1], seg[:, :-1]], axis=1)
+
+    if chunk_local == "pallas":
+        check_chunk_local(C, log_decay_BTHG.shape[-1])
+        with jax.named_scope("chunk_local"):
+            padded = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+            seg_p = jnp.pad(seg, [(0, 0), (0, pad)], mode="edge").reshape(B, N, C)
+            carried = seg_p == prev_seg[:, ::C][:, :N, None]  # still in the chunk's first document
+            u_part, w_part, qg, P, k_end, gam_end = pallas_chunk_local(
+                padded(q_BTHK),
+                padded(k_BTHK),
+                padded(v_BTHV),
+                padded(log_decay_BTHG[..., 0]),
+                padded(beta_BTH),
+                seg_p.reshape(B, N * C),
+                carried.reshape(B, N * C),
+                chunk_size=C,
+                delta_rule=delta_rule,
+                config=chunk_local_config,
+            )
+    else:
+        u_part, w_part, qg, P, k_end, gam_end = _chunk_local_xla(
+            q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, seg, prev_seg, C, N, solve, delta_rule
+        )
+
+    S0 = (
+        jnp.zeros((B, H, K, V), jnp.float32)
+        if initial_state_BHKV is None
+        else initial_state_BHKV.astype(jnp.float32)
+    )
+    pass_kw = dict(fold=initial_state_BHKV is not None, unroll=scan_unroll, config=pallas_config)
+    with jax.named_scope("state_pass"):
+        o, S = _state_pass(state_pass, S0, u_part, w_part, qg, P, k_end, gam_end, **pass_kw)
+    return o[:, :T], S
+
+
+def _chunk_local_xla(
+    q_BTHK, k_BTHK, v_BTHV, log_decay_BTHG, beta_BTH, seg, prev_seg, C, N, solve, delta_rule
+):
+    """(u_p, w_p or None, qg, P, k_end, gam_end) of every chunk, [N, B, H, C, X] (gam_end
+    [N, B, H, G, 1]), by XLA: the chunk_prep, pair and solve stages."""
+    B, T = seg.shape
+    V = v_BTHV.shape[-1]
+    pad = N * C - T
 
     def chunks(x):
         # [B, T, H, ...] -> [N, B, H, C, ...]; padded steps have k = v = b = g = 0 (no effect).
@@ -291,16 +349,7 @@ def recurrent_chunked(
         qg = gam * q
         k_end = dec[..., -1, :, :] * k  # K_end = Dec_Cj * k_j: [N, B, H, C, K]
         gam_end = jnp.swapaxes(gam[..., -1:, :], -1, -2)  # exp(G_C): [N, B, H, G, 1] scales rows
-
-    S0 = (
-        jnp.zeros((B, H, K, V), jnp.float32)
-        if initial_state_BHKV is None
-        else initial_state_BHKV.astype(jnp.float32)
-    )
-    pass_kw = dict(fold=initial_state_BHKV is not None, unroll=scan_unroll, config=pallas_config)
-    with jax.named_scope("state_pass"):
-        o, S = _state_pass(state_pass, S0, u_part, w_part, qg, P, k_end, gam_end, **pass_kw)
-    return o[:, :T], S
+    return u_part, w_part, qg, P, k_end, gam_end
 
 
 def _state_pass(state_pass, S0, u_part, w_part, qg, P, k_end, gam_end, *, fold, unroll, config):
@@ -387,16 +436,19 @@ def run_recurrence(
     chunk_size: int = 64,
     state_pass: str = "sequential",
     scan_unroll: int = 1,
+    chunk_local: str = "xla",
 ):
     """Dispatch to the chunked (default) or naive form; returns o_BTHV in float32.
 
-    chunk_size, state_pass and scan_unroll configure the chunked form (the naive form has
-    none; they are still checked).
+    chunk_size, state_pass, scan_unroll and chunk_local configure the chunked form (the
+    naive form has none; they are still checked).
     """
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {sorted(IMPLEMENTATIONS)}, got {impl!r}")
     check_state_pass(state_pass, scan_unroll)
+    check_chunk_local_name(chunk_local)
     kw = dict(chunk_size=chunk_size, state_pass=state_pass, scan_unroll=scan_unroll)
+    kw.update(chunk_local=chunk_local)
     o, _ = IMPLEMENTATIONS[impl](
         q,
         k,

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The chunk-local kernels (`--chunk-local pallas`, docs/models.md) on one GPU, in one call:
+#   bash benchmarks/h200_chunk_local.sh
+# 1. benchmarks/chunk_local_speed.py: the chunk-local stage alone, XLA against the kernels.
+#    benchmarks/recurrence_speed.py at the 569m GDN layer's shape, C = 64, gated-norm loss:
+#    the pallas state pass (VARIANTS, default: with o in the chunk layout, then token-major,
+#    then token-major with the chunk-local kernels); every row checked against the first.
+# 2. 569m training at T = 4096, `matched`, unrolled: --chunk-local xla then pallas
+#    (batch 8 on a 141 GB H200, 4 on an 80 GB H100: 8 x 4096 unrolled peaks at 92 GB).
+# Summaries and logs to $OUT; ARMS="cudnn_bf16" (say) adds that arm's run first.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-/tmp/out}
+R=/tmp/runs
+mkdir -p "$OUT" "$R"
+nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+BATCH=8
+[ "$MEM" -lt 100000 ] && BATCH=4
+timeout 120 python3 benchmarks/chunk_local_speed.py --out "$OUT" > "$OUT/chunk_local_speed.log" 2>&1
+echo "chunk_local_speed exit $?"
+tail -6 "$OUT/chunk_local_speed.log"
+timeout "${LAYER_TIMEOUT:-200}" python3 benchmarks/recurrence_speed.py --shape 569m --chunks 64 \
+  --loss gated_norm --variants ${VARIANTS:-pallas_chunk_outputs,pallas,pallas_chunk_local} --iters 5 --reps 3 \
+  --out "$OUT" > "$OUT/recurrence_speed.log" 2>&1
+echo "recurrence_speed exit $?"
+tail -6 "$OUT/recurrence_speed.log"
+for arm in ${ARMS:-} matched matched-pallas; do
+  attention=${arm%-pallas}
+  local_form=xla
+  [ "$arm" != "$attention" ] && local_form=pallas
+  name="569m-4096-$arm"
+  rm -rf "$R/$name"
+  start=$SECONDS
+  timeout "${RUN_TIMEOUT:-200}" python3 -m train --preset 569m --seq-len 4096 --batch-size $BATCH \
+    --steps 24 --log-every 4 --eval-every 0 --probe-every 0 --ckpt-every 0 --compile-cache off \
+    --scan-layers off --skip-memory-check --attention "$attention" --chunk-local $local_form \
+    --run-dir "$R/$name" > "$OUT/$name.log" 2>&1
+  echo "$name (batch $BATCH, chunk-local $local_form): exit $?, wall $((SECONDS - start)) s"
+  tail -1 "$OUT/$name.log"
+  cp "$R/$name/summary.json" "$OUT/$name.summary.json" 2>/dev/null && python3 -c "
+import json, sys
+s = json.load(open(sys.argv[1]))
+mfu = 'n/a' if s['mfu'] is None else f\"{s['mfu']:.1%}\"
+print(f\"  {s['tokens_per_s']:,.0f} tok/s, MFU {mfu}, compile {s['compile_seconds']:.1f} s\")
+" "$OUT/$name.summary.json"
+done
