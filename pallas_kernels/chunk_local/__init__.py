@@ -14,6 +14,7 @@ layout) and writes the state pass's operands in the chunk layout [N, B, H, C, X]
 program per chunk (and, under differentiation, T = (I + A)^-1 for the backward);
 :mod:`.backward` recomputes the rest of the chunk and writes the gradients of Q, K, V, the
 log decays and b token-major, in two launches (the pairs P, qg, K_end; the solve). The
-[C, C] decays and A that the XLA form materialises per chunk stay on chip. Launch settings: :mod:`.config`. No autodiff
-here: the custom VJP lives in `dm_jax.nn.chunk_local_pallas`.
+[C, C] decays and A that the XLA form materialises per chunk stay on chip. Launch
+settings: :mod:`.config`. No autodiff here: the custom VJP lives in
+`dm_jax.nn.chunk_local_pallas`.
 """
