@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The chunk-local kernels (`--chunk-local pallas`, docs/models.md) on one GPU, in one call:
-#   bash benchmarks/h200_chunk_local.sh
+#   bash benchmarks/h200_chunk_local.sh            # the timings below
+#   bash benchmarks/h200_chunk_local.sh profile    # Nsight Compute of the three kernels
 # 1. benchmarks/chunk_local_speed.py: the chunk-local stage alone, XLA against the kernels.
 #    benchmarks/recurrence_speed.py at the 569m GDN layer's shape, C = 64, gated-norm loss:
 #    the pallas state pass (VARIANTS, default: with o in the chunk layout, then token-major,
@@ -14,6 +15,17 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 R=/tmp/runs
 mkdir -p "$OUT" "$R"
+if [ "${1:-}" = profile ]; then  # Nsight Compute: the three kernels, one launch each
+  nvidia-smi --query-gpu=name --format=csv
+  timeout 300 ncu --clock-control none -k regex:chunk_local --launch-skip 3 --launch-count 3 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    -f -o "$OUT/chunk_local" python3 benchmarks/profile_chunk_local.py > "$OUT/ncu.log" 2>&1
+  echo "ncu exit $?"
+  ncu --import "$OUT/chunk_local.ncu-rep" > "$OUT/chunk_local.details.txt" 2>&1
+  grep -E "^  [a-z_]+|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Block Limit Shared|Registers Per|Stall|Warp Cycles Per Issued" \
+    "$OUT/chunk_local.details.txt" | cut -c1-120 | head -80
+  exit 0
+fi
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 BATCH=8

@@ -72,6 +72,7 @@ SHAPES = {
     "kda": Shape(8, 4096, 8, 128, 128, 128, True, (32, 64)),  # [C, C, K] pair decays: C <= 64
     "mamba2": Shape(8, 4096, 32, 128, 64, 1, False, (64, 128, 256)),  # mamba2_gqa-569m
     "tiny": Shape(1, 40, 2, 8, 8, 1, True, (8, 16)),  # CPU check of the script
+    "tiny64": Shape(1, 64, 2, 16, 16, 1, True, (16,)),  # CPU check: sizes the kernels take
 }
 VARIANTS = {  # name: (state_pass, scan_unroll, pallas launch settings (None: the defaults),
     # the delta rule's triangular solve, how the chunks' own operands are formed)

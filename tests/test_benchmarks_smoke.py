@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import (
+    chunk_local_speed,
     correctness,
     cudnn_fp8_probe,
     ds_scale_errors,
@@ -303,6 +304,24 @@ def test_recurrence_speed_script_tiny(tmp_path):
     assert rows[0]["diff_o"] == 0 and rows[1] == dict(
         chunk=16, variant="unroll16", error="skipped: time budget"
     )
+
+
+def test_chunk_local_speed_script_tiny(tmp_path):
+    """The chunk-local stage, XLA and the kernels (interpret mode), timed and checked
+    against full-precision XLA; the chunk-local variant of recurrence_speed matches, and
+    sizes the kernels refuse are skipped with the reason."""
+    argv = ["--shape", "tiny64", "--chunk", "16", "--doc-len", "13", "--iters", "1", "--reps", "1"]
+    assert chunk_local_speed.main(argv + ["--out", str(tmp_path)]) == 0
+    rows = json.load(open(tmp_path / "chunk_local_speed.json"))["rows"]
+    assert [r["form"] for r in rows] == ["xla", "pallas", "pallas backward kernels alone"]
+    assert all(r["fwdbwd_ms"] > 0 for r in rows)
+    assert max(max(r["err_operands"], r["err_grads"]) for r in rows[:2]) < 1e-5
+    argv = ["--shape", "tiny", "--iters", "1", "--reps", "1", "--out", str(tmp_path)]
+    argv += ["--chunks", "8,16", "--variants", "sequential,pallas_chunk_local"]
+    assert recurrence_speed.main(argv) == 0
+    rows = json.load(open(tmp_path / "recurrence_speed_tiny.json"))["rows"]
+    assert rows[1]["error"].startswith("skipped: chunk-local kernels need 16 <= C")
+    assert max(rows[3]["diff_o"], rows[3]["diff_grads"]) < 1e-5  # C = 16 runs
 
 
 def test_recurrence_profile_script_tiny(tmp_path):
