@@ -37,10 +37,13 @@ from pallas_kernels.fp8_attention.triton.config import FP8_ACCUMULATION_MODES, d
 F32 = jnp.float32
 
 
-BACKWARD_VARIANTS = {  # arm suffix -> (MosaicConfig fields, NumericsTiles.ds_scale)
-    "early_p": (dict(backward_early_p=True), "rows"),
-    "ds_tile": ({}, "tile"),  # the default until 2026-12-04
-    "early_p_ds_tile": (dict(backward_early_p=True), "tile"),
+BACKWARD_VARIANTS = {  # arm suffix -> (MosaicConfig fields, NumericsTiles fields)
+    "early_p": (dict(backward_early_p=True), {}),
+    "ds_tile": ({}, dict(ds_scale="tile")),  # the default until 2026-12-04
+    "early_p_ds_tile": (dict(backward_early_p=True), dict(ds_scale="tile")),
+    # dQ's dS^ scaled per query over 128 keys: the dQ pass steps 128 keys (dK's per-key
+    # scales stay over 64 queries)
+    "dq128": ({}, dict(bwd_block_k=128)),
 }
 
 
@@ -115,8 +118,8 @@ def arms(case: Case, implementation="pallas"):
         )
         # the backward forms P while its dP^ dot runs (MosaicConfig.backward_early_p), and
         # dS^ with one scale per tile (NumericsTiles.ds_scale="tile"), each and both
-        for suffix, (fields, ds_scale) in BACKWARD_VARIANTS.items():
-            tiles = dataclasses.replace(default_tiles(case.dqk, case.dv), ds_scale=ds_scale)
+        for suffix, (fields, tile_fields) in BACKWARD_VARIANTS.items():
+            tiles = dataclasses.replace(default_tiles(case.dqk, case.dv), **tile_fields)
             out[f"mosaic_fp8_{delta}_{suffix}"] = ours(
                 delta, "fp8", backend="mosaic", config=MosaicConfig(**fields), tiles=tiles
             )

@@ -259,6 +259,12 @@ def main(argv=None):
         help="triton_interpret (or another interpret twin) on a CPU",
     )
     parser.add_argument("--only", default="", help="comma-separated case names")
+    parser.add_argument(
+        "--bwd-block-k",
+        type=int,
+        default=0,
+        help="the dS scale tile's keys (NumericsTiles.bwd_block_k) of every case; 0: defaults",
+    )
     args = parser.parse_args(argv)
     start = time.time()
     print("jax", jax.__version__, jax.devices(), flush=True)
@@ -320,6 +326,20 @@ def main(argv=None):
     only = [n for n in args.only.split(",") if n]
     if only:
         plan = [p for p in plan if p[0].name in only]
+    if args.bwd_block_k:  # the same cases on other dS scale tiles (a numerics change)
+        plan = [
+            (
+                dataclasses.replace(case, name=f"{case.name}_bwdk{args.bwd_block_k}"),
+                modes,
+                dict(
+                    overrides or {},
+                    tiles=dataclasses.replace(
+                        default_tiles(case.dqk, case.dv), bwd_block_k=args.bwd_block_k
+                    ),
+                ),
+            )
+            for case, modes, overrides in plan
+        ]
     records, failures = [], []
     for case, modes, overrides in plan:
         if time.time() - start > args.budget:

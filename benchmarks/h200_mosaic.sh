@@ -34,6 +34,8 @@
 #                                          # (bitwise check + times) at the main, d256 and
 #                                          # the training presets' attention shapes; then
 #                                          # fwd+bwd of the causal main and d256 shapes
+#   bash benchmarks/h200_mosaic.sh dq128   # dS scale tiles of 64 x 128 (the dQ pass in 128-key
+#                                          # steps): correctness, passes, spills, fwd+bwd
 #   bash benchmarks/h200_mosaic.sh docs    # packed documents: document tiles bit for bit
 #                                          # against every tile visited and masked (forward
 #                                          # first, then the gradients); the 569m layer at
@@ -335,8 +337,31 @@ rowsheads)
   echo "attention stale: exit $?"
   grep "^|" "$W/attention_stale.log"
   ;;
+dq128)
+  # dS scale tiles of 64 x 128 (NumericsTiles(bwd_block_k=128): dQ's dS^ one scale per
+  # query over 128 keys, so the dQ pass steps 128 keys; dK's per-key scales stay over 64
+  # queries): correctness against the emulation and f32 on the GPU, the passes alone, ptxas'
+  # spills and the kernel split (main, and the small preset's layer with documents), then
+  # fwd+bwd end to end from bf16 beside the 64 x 64 tiles and cuDNN BF16
+  mkdir -p "$W/correctness"
+  timeout 130 python3 benchmarks/correctness.py --implementation mosaic --budget 100 \
+    --bwd-block-k 128 --only T2000_d128_gqa_seg_causal,T4096_d128_128_causal \
+    --out "$W/correctness" > "$W/correctness.log" 2>&1
+  echo "correctness: exit $?"
+  grep "^|" "$W/correctness.log"
+  timeout 90 python3 benchmarks/mosaic_backward.py --stages 2 --dq-key-tiles 64,128 \
+    --causal 0,1 --iters 5 --out "$W" > "$W/passes.log" 2>&1
+  echo "passes: exit $?"
+  grep "^|" "$W/passes.log"
+  key_pass_variants 80 "main:0:default,dq128" "small_t8192_docs:1:default,dq128"
+  timeout 150 python3 benchmarks/attention.py --shapes main --causal both --iters 5 --reps 3 \
+    --budget 130 --arms mosaic_fp8_matched,mosaic_fp8_matched_dq128,cudnn_bf16 --out "$W" \
+    > "$W/attention.log" 2>&1
+  echo "attention: exit $?"
+  grep "^|" "$W/attention.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128" >&2
   exit 2
   ;;
 esac

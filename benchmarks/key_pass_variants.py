@@ -25,6 +25,10 @@ by the compiler on the same stream) falls under its variant. Variants:
   default until 2026-12-04) instead of one per tile row, which takes a cross-warp amax.
   Not bitwise: a numerics change, whose error against f32 ``benchmarks/attention.py``
   reports (arm suffix ``_ds_tile``). ``early_p_ds_tile``: both.
+- ``dq128``: dS scale tiles of 64 x 128 (``NumericsTiles(bwd_block_k=128)``): dQ's dS^ one
+  scale per query over 128 keys, so the dQ pass steps 128 keys (half the steps, barriers
+  and factor loads per matmul). dK and dV bitwise the default's; dQ a numerics change
+  (arm suffix ``_dq128`` in ``benchmarks/attention.py``).
 
 Per variant: microseconds per step by kernel kind (`benchmarks/layer_kernels.py`), and the
 largest difference of dQ, dK, dV from the default's. Writes key_pass_variants.json.
@@ -79,9 +83,14 @@ VARIANTS = {
     "early_p": MosaicConfig(backward_early_p=True),
     "ds_tile": MosaicConfig(),
     "early_p_ds_tile": MosaicConfig(backward_early_p=True),
+    "dq128": MosaicConfig(),
 }
 # variants that change the numbers: NumericsTiles fields beside the head dims' defaults
-TILE_FIELDS = {"ds_tile": dict(ds_scale="tile"), "early_p_ds_tile": dict(ds_scale="tile")}
+TILE_FIELDS = {
+    "ds_tile": dict(ds_scale="tile"),
+    "early_p_ds_tile": dict(ds_scale="tile"),
+    "dq128": dict(bwd_block_k=128),
+}
 
 
 def main(argv=None):

@@ -3,7 +3,9 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/mosaic_backward.py --out $OUT
 
 For each variant (``--stages``: the backward's shared-memory stages; ``--delta-key-tiles``:
-keys per step of the matched-delta pass; ``--pingpong``: the consumer warpgroups take turns
+keys per step of the matched-delta pass; ``--dq-key-tiles``: keys per step of the dQ pass,
+the dS scale tile's keys, ``NumericsTiles.bwd_block_k``: 128 gives dQ's dS^ one scale per
+query over 128 keys, a numerics change, so its ``max_rel_diff`` is not 0; ``--pingpong``: the consumer warpgroups take turns
 on the tensor cores; ``--wide-launches``: how head dims over 128 split the dQ and dK/dV
 passes; ``--causal-orders``: the launch order of causal query tiles, which also times the
 forward kernel) and causality: the matched-delta pass, the dQ pass and the dK/dV pass of a
@@ -48,6 +50,11 @@ def main(argv=None):
         help="comma-separated keys per matched-delta step (the first one times every pass)",
     )
     p.add_argument(
+        "--dq-key-tiles",
+        default="64",
+        help="comma-separated keys per dQ step (NumericsTiles.bwd_block_k; others time dQ only)",
+    )
+    p.add_argument(
         "--pingpong",
         default="0",
         help="comma-separated 0/1: the consumer warpgroups take turns on the tensor cores",
@@ -82,6 +89,7 @@ def main(argv=None):
             sm_scale=case.dqk**-0.5,
             tiles=default_tiles(case.dqk, case.dv),
         )
+        dq_tiles = [int(x) for x in args.dq_key_tiles.split(",")]
         one = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if causal else 1.0)
         tiles = [int(x) for x in args.delta_key_tiles.split(",")]
         turns = [bool(int(x)) for x in args.pingpong.split(",")]
@@ -93,12 +101,14 @@ def main(argv=None):
         base = dict(
             stages=int(args.stages.split(",")[0]),
             delta_key_tile=tiles[0],
+            dq_key_tile=dq_tiles[0],
             pingpong=turns[0],
             wide_launches=wides[0],
             causal_order=orders[0],
         )
         variants = [(dict(base, stages=int(n)), all_passes) for n in args.stages.split(",")]
         variants += [(dict(base, delta_key_tile=tile), PASSES[:1]) for tile in tiles[1:]]
+        variants += [(dict(base, dq_key_tile=tile), PASSES[1:2]) for tile in dq_tiles[1:]]
         variants += [(dict(base, pingpong=pp), PASSES) for pp in turns[1:]]
         variants += [(dict(base, wide_launches=w), PASSES[1:]) for w in wides[1:]]
         variants += [(dict(base, causal_order=o), all_passes[:3]) for o in orders[1:]]
@@ -113,8 +123,10 @@ def main(argv=None):
                 causal_order=fields["causal_order"],
             )
             variant = dict(causal=causal, **fields)
+            tiles_here = dataclasses.replace(spec.tiles, bwd_block_k=fields["dq_key_tile"])
+            spec_here = dataclasses.replace(spec, tiles=tiles_here)
             try:
-                plan = ops.passes(q, k, v, do, spec=spec, config=config, interpret=args.smoke)
+                plan = ops.passes(q, k, v, do, spec=spec_here, config=config, interpret=args.smoke)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 rows.append(dict(variant, error=str(e)[:500]))
@@ -136,13 +148,14 @@ def main(argv=None):
         info = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=rows)
         json.dump(dict(info, seconds=time.time() - start), f, indent=1)
     print(
-        f"{args.shape}: | causal | stages | delta key tile | pingpong | wide launches "
+        f"{args.shape}: | causal | stages | delta key tile | dQ key tile | pingpong | wide launches "
         "| causal order | pass "
         "| ms | TFLOP/s | vs first |"
     )
     for r in rows:
         print(
-            f"| {r['causal']} | {r['stages']} | {r['delta_key_tile']} | {r['pingpong']} | "
+            f"| {r['causal']} | {r['stages']} | {r['delta_key_tile']} | {r['dq_key_tile']} | "
+            f"{r['pingpong']} | "
             f"{r['wide_launches']} | {r['causal_order']} | "
             f"{r.get('name', '-')} | {r.get('ms', float('nan')):.3f} | "
             f"{r.get('tflops', float('nan')):.0f} | {r.get('max_rel_diff', float('nan')):.1e} | "

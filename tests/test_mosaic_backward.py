@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dm_jax import backends
 from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.mosaic_gpu import backward, backward_ops, config
 from pallas_kernels.fp8_attention.tiles import NumericsTiles, default_tiles
@@ -63,6 +64,11 @@ def test_reason_names_what_the_mosaic_backward_leaves_to_triton():
     assert ops.backward_kernels(bf16_256, bf16_256, _spec(d=256), off) == "triton"
     other_tile = _spec(d=128, tiles=NumericsTiles(64, 128, 64, 32))
     assert "64 x 64" in backward_ops.reason(shape, shape, jnp.bfloat16, other_tile)
+    # 64 x 128: the dQ pass steps 128 keys where dS^ takes one scale per query
+    dq_wide = _spec(d=128, tiles=NumericsTiles(64, 128, 64, 128))
+    assert backward_ops.reason(shape, shape, jnp.bfloat16, dq_wide) is None
+    per_tile = _spec(d=128, tiles=NumericsTiles(64, 128, 64, 128, ds_scale="tile"))
+    assert "64 x 64" in backward_ops.reason(shape, shape, jnp.bfloat16, per_tile)
     with pytest.raises(ValueError, match="backward_stages"):
         config.MosaicConfig(backward_stages=5)
 
@@ -97,6 +103,15 @@ PINGPONG_LOWER_CASES = [  # as LOWER_CASES
 def test_pingpong_backward_lowers_for_cuda(case):
     """``backward_pingpong``: the passes with the consumer warpgroups' two-party barrier."""
     _export_backward(case, backward_pingpong=True)
+
+
+@NEEDS_011
+@pytest.mark.parametrize("case", PINGPONG_LOWER_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_dq_in_128_key_steps_lowers_for_cuda(case):
+    """64 x 128 dS scale tiles (dQ's per-query scales over 128 keys): the dQ pass, stepping
+    128 keys with K^T stages 128 keys wide, lowers (a kernel other than the 64 x 64 one)."""
+    wide, narrow = (_export_backward(case, bwd_block_k=n) for n in (128, 64))
+    assert wide != narrow
 
 
 PER_GRADIENT_LOWER_CASES = [  # as LOWER_CASES: head dims over 128
@@ -257,7 +272,7 @@ def _gqa_inputs(seed, b, t, hq, hkv, d):
     return q, k, v, do
 
 
-def _export_backward(case, with_stats=True, ds_scale="rows", **config_fields):
+def _export_backward(case, with_stats=True, ds_scale="rows", bwd_block_k=64, **config_fields):
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
     b, t, s, hq, hkv, d, causal, segments, delta, delta_key_tile = case
@@ -269,6 +284,8 @@ def _export_backward(case, with_stats=True, ds_scale="rows", **config_fields):
     lse = sds((b, hq, t), jnp.float32)
     ids = [sds((b, t), jnp.int32), sds((b, s), jnp.int32)] if segments else [None, None]
 
+    tiles = dataclasses.replace(default_tiles(d, dv), ds_scale=ds_scale, bwd_block_k=bwd_block_k)
+
     def fn(q, k, v, out, lse, do, q_ids, kv_ids):  # (Triton's quantize needs a GPU on 0.11)
         return ops.backward(
             q,
@@ -279,7 +296,7 @@ def _export_backward(case, with_stats=True, ds_scale="rows", **config_fields):
             do,
             q_ids,
             kv_ids,
-            spec=_spec(causal, delta, d, ds_scale=ds_scale),  # 64 x 64 dS tiles everywhere
+            spec=_spec(causal, delta, d, tiles=tiles),
             config=cfg,
             interpret=False,
             with_stats=with_stats,
@@ -670,9 +687,48 @@ def test_matched_delta_in_128_key_steps_equals_64():
             ops_.kv_aux,
             ops_.k8.values_t,
             want="dq",
-            key_tile=128,
-            **ops_.kwargs,
+            key_tile=128,  # dQ steps 128 keys only with one dS^ scale per query (ds_rows)
+            **dict(ops_.kwargs, ds_rows=False),
         )
+
+
+@NEEDS_011
+@pytest.mark.parametrize("causal, seg", [(True, None), (False, 100)], ids=["causal", "docs"])
+def test_dq_in_128_key_steps_matches_the_emulation(causal, seg):
+    """dS scale tiles of 64 x 128 (``NumericsTiles(bwd_block_k=128)``, one dS^ scale per
+    query over 128 keys): the dQ pass steps 128 keys. In Pallas' GPU interpret mode, GQA
+    2/1, ragged cross lengths (causal) or packed documents: dQ equals the emulation's on the
+    same tiles; dK and dV are bit for bit those of the 64 x 64 tiles (the key pass's per-key
+    scales stay over 64 queries, and dP^ is the same values); the matched pre-cast row sums
+    cancel."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    t, s = (320, 200) if causal else (384, 384)
+    ks = jax.random.split(jax.random.PRNGKey(5), 4)
+    q, do = (jax.random.normal(key, (1, t, 2, 64)) for key in (ks[0], ks[3]))
+    k, v = (jax.random.normal(key, (1, s, 1, 64)) for key in ks[1:3])
+    ids = None if seg is None else (jnp.arange(t)[None] // seg, jnp.arange(s)[None] // seg)
+    q_ids, kv_ids = ids or (None, None)
+    cfg = config.MosaicConfig(fused_quantize=False)
+    narrow = _spec(causal, "matched", 64)
+    wide = dataclasses.replace(narrow, tiles=dataclasses.replace(narrow.tiles, bwd_block_k=128))
+    assert backward_ops.reason(q.shape, v.shape, q.dtype, wide) is None
+    out, lse = ops.forward(q, k, v, q_ids, kv_ids, spec=wide, config=cfg, interpret=True)
+
+    def backward(spec, implementation=ops, **kw):
+        args = (q, k, v, out, lse, do, q_ids, kv_ids)
+        return implementation.backward(*args, spec=spec, **kw)
+
+    got = backward(wide, config=cfg, interpret=True, with_stats=True)
+    base = backward(narrow, config=cfg, interpret=True)
+    reference = backends.get("reference")
+    want = backward(wide, reference, config=reference.default_config(64, 64))
+    for name in ("dk", "dv"):
+        assert bool(jnp.all(getattr(got, name) == getattr(base, name))), name
+    err = float(jnp.linalg.norm(got.dq - want.dq) / jnp.linalg.norm(want.dq))
+    assert err < 5e-4, err  # a wrong scale, mask or permutation is 1e-2 or more
+    scale = jnp.mean(got.ds_abssum_pre, axis=-1, keepdims=True)
+    assert float(jnp.max(jnp.abs(got.ds_rowsum_pre) / scale)) < 1e-5
 
 
 def _causal_gqa_backward(seed, t, d, wide_launches):

@@ -428,8 +428,10 @@ def query_pass(
         (repeated) and the keys' poison (NaN for a key whose K or V row was not finite).
       kt8 [B, Hkv, Dqk, Sp]: the permuted K-major copy of K (``want="dq"`` only).
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
-      key_tile: keys per step, 64 (the dS scale tile: the only choice for dQ) or 128
-        (``want="delta"``, which forms no dS: one K and one V scale block per step).
+      key_tile: keys per step, 64 or 128 (one K and one V scale block per step). For
+        ``want="dq"`` the step is the dS scale tile's keys: 128 only with ``ds_rows``
+        (``NumericsTiles(bwd_block_k=128, ds_scale="rows")``: one scale per query over
+        the step's 128 keys); the delta pass forms no dS and takes either.
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
       dq_cols: (first, count): the columns of dQ this launch forms (default all, at most
         MAX_HEAD_DIM, in pieces of ``pieces`` columns: :func:`_accumulate`); S and dP^
@@ -456,11 +458,14 @@ def query_pass(
     with_stats = with_stats and want_dq
     b, hq, tp, dqk = q8.shape
     hkv, sp, dv = k8.shape[1], k8.shape[2], v8.shape[3]
-    if key_tile not in (TILE, BLOCK) or (want_dq and key_tile != TILE) or sp % key_tile:
+    if key_tile not in (TILE, BLOCK) or (want_dq and key_tile != TILE and not ds_rows):
         raise ValueError(
-            f"key_tile must be {TILE}, or {BLOCK} for want='delta' (S padded to {BLOCK}); "
-            f"got {key_tile} for want={want!r}, S={sp}"
+            f"key_tile must be {TILE}, or {BLOCK} for want='delta' or for want='dq' with "
+            f"ds_rows (one dS^ scale per query over the step's keys); got {key_tile} for "
+            f"want={want!r}, ds_rows={ds_rows}"
         )
+    if sp % key_tile:
+        raise ValueError(f"S={sp} must be padded to a multiple of key_tile={key_tile}")
     (dq0, cq) = dq_cols or (0, dqk)
     if want_dq and not 0 < cq <= MAX_HEAD_DIM:
         raise ValueError(f"dq_cols: 1-{MAX_HEAD_DIM} columns, got {cq}")
@@ -661,14 +666,14 @@ def query_pass(
             plgpu.SMEM((WARPGROUPS, ROWS, TILE), F32),
             plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if mask.segments else None,
             out_smem,
-            plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret and want_dq else None,
+            plgpu.SMEM((WARPGROUPS, TILE, key_tile), fp8) if interpret and want_dq else None,
             plgpu.SMEM((WARPGROUPS, 4, TILE), F32) if with_stats else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
             # document tiles: each consumer's row, and the producer's copy of the first
             plgpu.SMEM((WARPGROUPS + 1, doc_tiles.shape[-1]), jnp.int32) if documents else None,
             plgpu.SMEM((stages, key_tile, dqk), fp8, transforms=fp8_transforms(dqk)),
             plgpu.SMEM((stages, key_tile, dv), fp8, transforms=fp8_transforms(dv)),
-            plgpu.SMEM((stages, cq, TILE), fp8, transforms=fp8_transforms(TILE))
+            plgpu.SMEM((stages, cq, key_tile), fp8, transforms=fp8_transforms(key_tile))
             if want_dq
             else None,
             plgpu.SMEM((stages, 3, key_tile), F32),
@@ -1172,17 +1177,20 @@ def query_pass_smem(
     staging = _staging_bytes(cq, out, pieces) if cq else TILE * 4
     per_wg = TILE * (dqk + dv) + ROWS * TILE * 4 + staging + 4 * TILE * 4
     per_wg += TILE * TILE + REDUCTION_SCRATCH * 4
-    per_stage = key_tile * (dqk + dv) + cq * TILE + 3 * key_tile * 4 + key_tile * 4
+    per_stage = key_tile * (dqk + dv + cq) + 3 * key_tile * 4 + key_tile * 4
     return WARPGROUPS * per_wg + stages * per_stage + 4096
 
 
-def smem_fits(dqk: int, dv: int, out_dtype, wide: str = "per_gradient") -> bool:
+def smem_fits(
+    dqk: int, dv: int, out_dtype, wide: str = "per_gradient", dq_key_tile: int = TILE
+) -> bool:
     """Whether every pass fits shared memory with one stage at least (each pass runs the
-    most stages up to the config's that fit)."""
+    most stages up to the config's that fit), the dQ pass stepping ``dq_key_tile`` keys."""
     launches = key_pass_launches(dqk, dv, wide)
     key = max(key_pass_smem(1, dqk, dv, ck, cv, out_dtype) for (_, ck), (_, cv) in launches)
     query = max(
-        query_pass_smem(1, dqk, dv, cq, TILE, out_dtype) for _, cq in query_pass_launches(dqk, wide)
+        query_pass_smem(1, dqk, dv, cq, dq_key_tile, out_dtype)
+        for _, cq in query_pass_launches(dqk, wide)
     )
     delta = query_pass_smem(1, dqk, dv, 0, BLOCK, out_dtype)
     return max(key, query, delta) <= SMEM_BYTES

@@ -1,6 +1,7 @@
 """The Mosaic GPU backward from the public layout: quantize, delta, dQ, dK/dV, unpad.
 
-Runs where :func:`reason` returns None (head dims up to 256, the 64 x 64 dS scale tile);
+Runs where :func:`reason` returns None (head dims up to 256, the dS scale tiles of
+:func:`ds_tiles`);
 ``ops.py`` sends every other call to the Triton passes. Head dims over 128 run as
 ``MosaicConfig.backward_wide_launches`` says: ``"per_chunk"``, the dQ and the dK/dV passes
 once per chunk of at most 128 accumulator columns (:func:`.backward.column_chunks`), each
@@ -47,14 +48,28 @@ def reason(
         )
     if launches == "per_chunk" and len(kernels.column_chunks(dv)) > len(kernels.column_chunks(dqk)):
         return f"head dims ({dqk}, {dv}): the Mosaic backward needs dv <= dqk above 128"
-    if spec.tiles.ds_tile != (kernels.TILE, kernels.TILE):
-        return f"dS scale tile {spec.tiles.ds_tile}: the Mosaic backward's is 64 x 64"
-    if not kernels.smem_fits(dqk, dv, kernel_dtype(dtype), launches):
+    if spec.tiles.ds_tile not in ds_tiles(spec.tiles.ds_scale):
+        tiles = " or ".join(f"{q} x {k}" for q, k in ds_tiles(spec.tiles.ds_scale))
+        return (
+            f"dS scale tile {spec.tiles.ds_tile} with ds_scale={spec.tiles.ds_scale!r}: "
+            f"the Mosaic backward's is {tiles}"
+        )
+    dq_key_tile = spec.tiles.bwd_block_k
+    if not kernels.smem_fits(dqk, dv, kernel_dtype(dtype), launches, dq_key_tile):
         return (
             f"head dims ({dqk}, {dv}) with {jnp.dtype(kernel_dtype(dtype)).name} gradients "
             "do not fit shared memory in one backward stage; use bfloat16 inputs"
         )
     return None
+
+
+def ds_tiles(ds_scale: str) -> tuple:
+    """The dS scale tiles (queries, keys) the Mosaic backward runs for ``ds_scale``: 64 x 64
+    (the key pass's steps of 64 queries, the dQ pass's of 64 keys), and with one scale per
+    tile row also 64 x 128: dQ's per-query scales over 128 keys, the dQ pass stepping 128
+    keys (one K scale block), while dK's per-key scales stay over 64 queries."""
+    tiles = ((kernels.TILE, kernels.TILE),)
+    return tiles + ((kernels.TILE, BLOCK),) if ds_scale == "rows" else tiles
 
 
 class Operands(NamedTuple):
@@ -72,6 +87,7 @@ class Operands(NamedTuple):
     segments: tuple  # (q_seg [B, Tp], kv_seg [B, Sp]) or ()
     kwargs: dict
     delta_key_tile: int = kernels.TILE  # keys per step of the matched-delta pass
+    dq_key_tile: int = kernels.TILE  # keys per step of the dQ pass (the dS tile's keys)
     dq_in_key_pass: bool = False  # dQ by reduce-add from the key pass (no dQ pass)
     wide_launches: str = "per_gradient"  # head dims over 128 (backward.key_pass_launches)
     # causal query passes: the query tiles that see the most keys launch first (the key
@@ -124,7 +140,7 @@ def operands(
     if segments and document_tiles:
         doc_tiles = dict(
             delta=documents.query_tiles(*segments, mask, delta_key_tile),
-            dq=documents.query_tiles(*segments, mask, kernels.TILE),
+            dq=documents.query_tiles(*segments, mask, spec.tiles.bwd_block_k),
             keys=documents.key_tiles(*segments, mask),
         )
     kwargs = dict(
@@ -154,6 +170,7 @@ def operands(
         segments,
         kwargs,
         delta_key_tile,
+        spec.tiles.bwd_block_k,
         dq_in_key_pass,
         wide_launches,
         longest_first,
@@ -247,7 +264,13 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
         for n, cols in enumerate(kernels.query_pass_launches(dqk, ops.wide_launches)):
             stats_here = with_stats and n == 0  # every chunk forms the same dS
             part = _query_pass(
-                ops, rows, want="dq", out_dtype=q_dtype, with_stats=stats_here, dq_cols=cols
+                ops,
+                rows,
+                want="dq",
+                out_dtype=q_dtype,
+                with_stats=stats_here,
+                dq_cols=cols,
+                key_tile=ops.dq_key_tile,
             )
             part, stats = part if stats_here else (part, stats)
             parts.append(part)

@@ -262,6 +262,7 @@ def _backward_passes(q, k, v, o, lse, do, spec, config, interpret) -> dict:
     static = dict(
         kwargs=ops.kwargs,
         delta_key_tile=ops.delta_key_tile,
+        dq_key_tile=ops.dq_key_tile,
         dq_in_key_pass=ops.dq_in_key_pass,
         wide_launches=ops.wide_launches,
         longest_first=ops.longest_first,
