@@ -1,11 +1,14 @@
-"""dS^'s scales per tile row against one per tile: gradient errors against f32 attention.
+"""dS^'s scales per tile row against one per tile (and rows over 128 keys): gradient errors
+against f32 attention.
 
     PYTHONPATH=. python3 benchmarks/ds_scale_errors.py --out DIR            # CPU, emulation
     PYTHONPATH=. python3 benchmarks/ds_scale_errors.py --implementation pallas --large
 
-For each case and delta mode, the backward with ``NumericsTiles(ds_scale="rows")`` (one
-power-of-two scale per query for dQ, per key for dK) and with ``ds_scale="tile"`` (one per
-64 x 64 tile), each against f32 attention (``benchmarks.correctness.f32_out_and_grads``)
+For each case and delta mode, the backward under each of ``--scalings`` (SCALINGS:
+``rows``, ``NumericsTiles(ds_scale="rows")``: one power-of-two scale per query for dQ, per
+key for dK, over 64 x 64 tiles; ``tile``, ``ds_scale="tile"``: one per 64 x 64 tile;
+``rows_k128``: rows over 64 x 128 tiles, ``bwd_block_k=128``, so dQ's per-query scales span
+128 keys), each against f32 attention (``benchmarks.correctness.f32_out_and_grads``)
 under the same random dO: relative Frobenius and max errors of dQ, dK, dV. Cases: unit-normal inputs,
 and "spiky" ones whose queries and keys carry a few large rows (sharp attention rows, so
 the tile's amax is far above most of its rows'). Prints a table, writes ds_scale_errors.json.
@@ -25,7 +28,13 @@ import jax.numpy as jnp
 import dm_jax
 from benchmarks.correctness import f32_out_and_grads, fro_rel, max_rel
 from dm_jax.numerics import DELTA_MODES
-from pallas_kernels.fp8_attention.tiles import DS_SCALES, default_tiles
+from pallas_kernels.fp8_attention.tiles import default_tiles
+
+SCALINGS = {  # name -> NumericsTiles fields changed from the head dims' defaults
+    "rows": dict(ds_scale="rows"),
+    "tile": dict(ds_scale="tile"),
+    "rows_k128": dict(ds_scale="rows", bwd_block_k=128),
+}
 
 CASES = {  # name -> (b, t, hq, hkv, d, causal, spiky)
     "d64_causal_gqa": (2, 256, 4, 2, 64, True, False),
@@ -50,14 +59,14 @@ def inputs(case, seed=0):
     return q, k, v, do
 
 
-def measure(name, case, implementation, modes):
+def measure(name, case, implementation, modes, scalings=tuple(SCALINGS)):
     q, k, v, do = inputs(case)
     causal, d = case[5], case[4]
     ref = f32_out_and_grads(q, k, v, do, causal)[1:]
     rows = []
     for delta in modes:
-        for ds_scale in DS_SCALES:
-            tiles = dataclasses.replace(default_tiles(d, d), ds_scale=ds_scale)
+        for ds_scale in scalings:
+            tiles = dataclasses.replace(default_tiles(d, d), **SCALINGS[ds_scale])
 
             def f(q, k, v, delta=delta, tiles=tiles):
                 return dm_jax.attention(
@@ -78,14 +87,20 @@ def main(argv=None):
     p.add_argument("--implementation", default="reference")
     p.add_argument("--large", action="store_true", help="the GPU's shapes (T = 4096)")
     p.add_argument("--modes", default="matched,stale", help=f"comma-separated of {DELTA_MODES}")
+    p.add_argument(
+        "--scalings", default=",".join(SCALINGS), help=f"comma-separated of {list(SCALINGS)}"
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     modes = args.modes.split(",")
+    scalings = args.scalings.split(",")
+    if not set(scalings) <= set(SCALINGS):
+        p.error(f"--scalings must be a comma-separated subset of {list(SCALINGS)}")
     if not set(modes) <= set(DELTA_MODES):
         p.error(f"--modes must be a comma-separated subset of {DELTA_MODES}, got {args.modes!r}")
     rows = []
     for name, case in (LARGE if args.large else CASES).items():
-        rows += measure(name, case, args.implementation, modes)
+        rows += measure(name, case, args.implementation, modes, scalings)
     with open(os.path.join(args.out, "ds_scale_errors.json"), "w") as f:
         json.dump(dict(jax=jax.__version__, argv=sys.argv, rows=rows), f, indent=1)
     print("| case | delta | dS^ scales | dQ fro / max | dK fro / max | dV fro |")

@@ -36,6 +36,8 @@
 #                                          # fwd+bwd of the causal main and d256 shapes
 #   bash benchmarks/h200_mosaic.sh dq128   # dS scale tiles of 64 x 128 (the dQ pass in 128-key
 #                                          # steps): correctness, passes, spills, fwd+bwd
+#   bash benchmarks/h200_mosaic.sh dq128causal # its causal spills and kernel split, the
+#                                          # correctness rows left, MLA 192/128 fwd+bwd
 #   bash benchmarks/h200_mosaic.sh docs    # packed documents: document tiles bit for bit
 #                                          # against every tile visited and masked (forward
 #                                          # first, then the gradients); the 569m layer at
@@ -360,8 +362,25 @@ dq128)
   echo "attention: exit $?"
   grep "^|" "$W/attention.log"
   ;;
+dq128causal)
+  # the causal side of dq128: ptxas' spills and the kernel split of the causal main shape
+  # (64 x 64, 64 x 128, 64 x 128 with 64-column dots), the GPU correctness rows dq128's
+  # call did not reach, and MLA 192/128 fwd+bwd beside cuDNN BF16 (V padded)
+  key_pass_variants 150 "main:1:default,dq128,dq128_pieces64"
+  mkdir -p "$W/correctness"
+  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
+    --bwd-block-k 128 --only T4096_d128_128_causal,T2000_d128_gqa_seg_causal \
+    --out "$W/correctness" > "$W/correctness.log" 2>&1
+  echo "correctness: exit $?"
+  grep "^|" "$W/correctness.log"
+  timeout 120 python3 benchmarks/attention.py --shapes d192_128 --causal 0 --iters 5 --reps 3 \
+    --budget 100 --arms mosaic_fp8_matched,cudnn_bf16 --tag _mla --out "$W" \
+    > "$W/attention_mla.log" 2>&1
+  echo "attention mla: exit $?"
+  grep "^|" "$W/attention_mla.log"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal" >&2
   exit 2
   ;;
 esac

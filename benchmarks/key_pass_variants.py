@@ -28,7 +28,8 @@ by the compiler on the same stream) falls under its variant. Variants:
 - ``dq128``: dS scale tiles of 64 x 128 (``NumericsTiles(bwd_block_k=128)``): dQ's dS^ one
   scale per query over 128 keys, so the dQ pass steps 128 keys (half the steps, barriers
   and factor loads per matmul). dK and dV bitwise the default's; dQ a numerics change
-  (arm suffix ``_dq128`` in ``benchmarks/attention.py``).
+  (arm suffix ``_dq128`` in ``benchmarks/attention.py``). ``dq128_pieces64``: the same with
+  the backward's dots in 64-column pieces (fewer live registers beside dQ's accumulator).
 
 Per variant: microseconds per step by kernel kind (`benchmarks/layer_kernels.py`), and the
 largest difference of dQ, dK, dV from the default's. Writes key_pass_variants.json.
@@ -84,12 +85,14 @@ VARIANTS = {
     "ds_tile": MosaicConfig(),
     "early_p_ds_tile": MosaicConfig(backward_early_p=True),
     "dq128": MosaicConfig(),
+    "dq128_pieces64": MosaicConfig(backward_piece_columns=64),
 }
 # variants that change the numbers: NumericsTiles fields beside the head dims' defaults
 TILE_FIELDS = {
     "ds_tile": dict(ds_scale="tile"),
     "early_p_ds_tile": dict(ds_scale="tile"),
     "dq128": dict(bwd_block_k=128),
+    "dq128_pieces64": dict(bwd_block_k=128),
 }
 
 

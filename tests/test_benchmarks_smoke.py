@@ -434,12 +434,14 @@ def test_key_pass_variants_patch_the_backward_only_inside_their_block():
 
 
 def test_ds_scale_errors_script_tiny(tmp_path, monkeypatch):
-    """Both dS^ scales on the Triton twin at a tiny causal GQA shape: dV equal (it comes
-    before dS's cast), dQ and dK at FP8 error against f32 for each."""
+    """Every dS^ scaling on the Triton twin at a tiny causal GQA shape: dV equal (it comes
+    before dS's cast), dK equal for per-row scales over 64 or 128 keys (its per-key scales
+    span the tile's 64 queries either way), dQ and dK at FP8 error against f32 for each."""
     monkeypatch.setattr(ds_scale_errors, "CASES", {"tiny": (1, 96, 2, 1, 64, True, True)})
     argv = ["--implementation", "pallas_interpret", "--modes", "matched", "--out", str(tmp_path)]
     assert ds_scale_errors.main(argv) == 0
     rows = json.load(open(tmp_path / "ds_scale_errors.json"))["rows"]
-    assert [r["ds_scale"] for r in rows] == ["rows", "tile"]
-    assert rows[0]["dv_fro"] == rows[1]["dv_fro"]
+    assert [r["ds_scale"] for r in rows] == ["rows", "tile", "rows_k128"]
+    assert rows[0]["dv_fro"] == rows[1]["dv_fro"] == rows[2]["dv_fro"]
+    assert rows[0]["dk_fro"] == rows[2]["dk_fro"]
     assert all(0 < r[f] < 0.3 for r in rows for f in ("dq_fro", "dk_fro"))
