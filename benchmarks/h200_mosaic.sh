@@ -90,6 +90,15 @@ key_pass_variants() {  # key_pass_variants SECONDS NAME:CAUSAL:VARIANT,...:
   done
 }
 
+dq128_correctness() {  # dq128_correctness SECONDS CASES: the Mosaic backend on 64 x 128 dS
+  # scale tiles against the emulation and f32 (benchmarks/correctness.py --bwd-block-k 128)
+  mkdir -p "$W/correctness"
+  timeout "$1" python3 benchmarks/correctness.py --implementation mosaic --budget $(($1 - 30)) \
+    --bwd-block-k 128 --only "$2" --out "$W/correctness" > "$W/correctness.log" 2>&1
+  echo "correctness: exit $?"
+  grep "^|" "$W/correctness.log"
+}
+
 time_shared_quantize() {  # time_shared_quantize SECONDS: Q, K, V quantized once per step when XLA
   # merges the forward's and backward's calls: launches per step (7 quantize launches
   # without) and the time, the small preset's layer with documents
@@ -345,12 +354,7 @@ dq128)
   # queries): correctness against the emulation and f32 on the GPU, the passes alone, ptxas'
   # spills and the kernel split (main, and the small preset's layer with documents), then
   # fwd+bwd end to end from bf16 beside the 64 x 64 tiles and cuDNN BF16
-  mkdir -p "$W/correctness"
-  timeout 130 python3 benchmarks/correctness.py --implementation mosaic --budget 100 \
-    --bwd-block-k 128 --only T2000_d128_gqa_seg_causal,T4096_d128_128_causal \
-    --out "$W/correctness" > "$W/correctness.log" 2>&1
-  echo "correctness: exit $?"
-  grep "^|" "$W/correctness.log"
+  dq128_correctness 130 T2000_d128_gqa_seg_causal,T4096_d128_128_causal
   timeout 90 python3 benchmarks/mosaic_backward.py --stages 2 --dq-key-tiles 64,128 \
     --causal 0,1 --iters 5 --out "$W" > "$W/passes.log" 2>&1
   echo "passes: exit $?"
@@ -367,12 +371,7 @@ dq128causal)
   # (64 x 64, 64 x 128, 64 x 128 with 64-column dots), the GPU correctness rows dq128's
   # call did not reach, and MLA 192/128 fwd+bwd beside cuDNN BF16 (V padded)
   key_pass_variants 150 "main:1:default,dq128,dq128_pieces64"
-  mkdir -p "$W/correctness"
-  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
-    --bwd-block-k 128 --only T4096_d128_128_causal,T2000_d128_gqa_seg_causal \
-    --out "$W/correctness" > "$W/correctness.log" 2>&1
-  echo "correctness: exit $?"
-  grep "^|" "$W/correctness.log"
+  dq128_correctness 200 T4096_d128_128_causal,T2000_d128_gqa_seg_causal
   timeout 120 python3 benchmarks/attention.py --shapes d192_128 --causal 0 --iters 5 --reps 3 \
     --budget 100 --arms mosaic_fp8_matched,cudnn_bf16 --tag _mla --out "$W" \
     > "$W/attention_mla.log" 2>&1
