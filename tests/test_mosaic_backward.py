@@ -416,12 +416,16 @@ def test_document_tiles_are_bitwise_every_tile(causal):
 
 
 def test_dot_pieces_follow_segment_ids_unless_set():
-    """``backward_piece_columns=0`` picks 64-column dots with segment ids, 128 without;
+    """``backward_piece_columns=0`` picks 64-column dots with segment ids or 128-key dQ
+    steps, 128 otherwise;
     a set width wins; no width above MAX_COLUMNS; other widths are refused by name."""
     assert backward_ops.dot_pieces(0, segments=True) == backward.SEGMENT_PIECES == 64
     assert backward_ops.dot_pieces(0, segments=False) == backward.MAX_COLUMNS == 128
     assert backward_ops.dot_pieces(128, segments=True) == 128
     assert backward_ops.dot_pieces(64, segments=False) == 64
+    # the dQ pass in 128-key steps (64 x 128 dS scale tiles): 64-column dots unless set
+    assert backward_ops.dot_pieces(0, segments=False, dq_key_tile=128) == 64
+    assert backward_ops.dot_pieces(128, segments=False, dq_key_tile=128) == 128
     assert backward.column_pieces(256, 64) == [(0, 64), (64, 64), (128, 64), (192, 64)]
     assert backward.column_pieces(192) == [(0, 128), (128, 64)]
     with pytest.raises(ValueError, match="backward_piece_columns"):

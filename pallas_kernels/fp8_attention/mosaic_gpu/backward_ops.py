@@ -149,7 +149,7 @@ def operands(
         stages=stages,
         interpret=interpret,
         pingpong=pingpong,
-        pieces=dot_pieces(piece_columns, bool(segments)),
+        pieces=dot_pieces(piece_columns, bool(segments), spec.tiles.bwd_block_k),
         early_p=early_p,
         ds_rows=ds_rows,
     )
@@ -186,10 +186,14 @@ def quantize_all(quantize, q, k, v, shared: bool):
     return q8, k8, quantize(v, k_major=shared)
 
 
-def dot_pieces(piece_columns: int, segments: bool) -> int:
+def dot_pieces(piece_columns: int, segments: bool, dq_key_tile: int = kernels.TILE) -> int:
     """Columns of each fresh dot in the backward passes: ``piece_columns``, or for 0 the
-    measured choice, SEGMENT_PIECES with segment ids and MAX_COLUMNS without (never more)."""
-    auto = kernels.SEGMENT_PIECES if segments else kernels.MAX_COLUMNS
+    measured choice, SEGMENT_PIECES with segment ids or with the dQ pass in 128-key steps
+    (its [64, 128] dS tile beside dQ's accumulator spilled 1,120 bytes at 128 columns,
+    causal, and 636 at 64, which ran the causal step's kernels 10% faster on an H100:
+    docs/mosaic_gpu.md, "The dQ pass in 128-key steps"), MAX_COLUMNS otherwise (never more)."""
+    narrow = segments or dq_key_tile != kernels.TILE
+    auto = kernels.SEGMENT_PIECES if narrow else kernels.MAX_COLUMNS
     return min(piece_columns or auto, kernels.MAX_COLUMNS)
 
 
