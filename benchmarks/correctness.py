@@ -334,7 +334,8 @@ def main(argv=None):
                 dict(
                     overrides or {},
                     tiles=dataclasses.replace(
-                        default_tiles(case.dqk, case.dv), bwd_block_k=args.bwd_block_k
+                        (overrides or {}).get("tiles") or default_tiles(case.dqk, case.dv),
+                        bwd_block_k=args.bwd_block_k,
                     ),
                 ),
             )

@@ -65,8 +65,8 @@ def measure(name, case, implementation, modes, scalings=tuple(SCALINGS)):
     ref = f32_out_and_grads(q, k, v, do, causal)[1:]
     rows = []
     for delta in modes:
-        for ds_scale in scalings:
-            tiles = dataclasses.replace(default_tiles(d, d), **SCALINGS[ds_scale])
+        for scaling in scalings:
+            tiles = dataclasses.replace(default_tiles(d, d), **SCALINGS[scaling])
 
             def f(q, k, v, delta=delta, tiles=tiles):
                 return dm_jax.attention(
@@ -74,7 +74,7 @@ def measure(name, case, implementation, modes, scalings=tuple(SCALINGS)):
                 )
 
             grads = jax.jit(lambda q, k, v: jax.vjp(f, q, k, v)[1](do))(q, k, v)
-            row = dict(case=name, delta=delta, ds_scale=ds_scale)
+            row = dict(case=name, delta=delta, ds_scale=scaling)
             for field, got, want in zip(("dq", "dk", "dv"), grads, ref):
                 row[f"{field}_fro"], row[f"{field}_max"] = fro_rel(got, want), max_rel(got, want)
             rows.append(row)
@@ -95,7 +95,10 @@ def main(argv=None):
     modes = args.modes.split(",")
     scalings = args.scalings.split(",")
     if not set(scalings) <= set(SCALINGS):
-        p.error(f"--scalings must be a comma-separated subset of {list(SCALINGS)}")
+        p.error(
+            f"--scalings must be a comma-separated subset of {list(SCALINGS)}, "
+            f"got {args.scalings!r}"
+        )
     if not set(modes) <= set(DELTA_MODES):
         p.error(f"--modes must be a comma-separated subset of {DELTA_MODES}, got {args.modes!r}")
     rows = []

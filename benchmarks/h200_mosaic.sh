@@ -90,13 +90,20 @@ key_pass_variants() {  # key_pass_variants SECONDS NAME:CAUSAL:VARIANT,...:
   done
 }
 
+logged() {  # logged SECONDS NAME CMD...: CMD under a timeout into $W/NAME.log, its exit
+  # status and its table rows
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" "$@" > "$W/$name.log" 2>&1
+  echo "$name: exit $?"
+  grep "^|" "$W/$name.log"
+}
+
 dq128_correctness() {  # dq128_correctness SECONDS CASES: the Mosaic backend on 64 x 128 dS
   # scale tiles against the emulation and f32 (benchmarks/correctness.py --bwd-block-k 128)
   mkdir -p "$W/correctness"
-  timeout "$1" python3 benchmarks/correctness.py --implementation mosaic --budget $(($1 - 30)) \
-    --bwd-block-k 128 --only "$2" --out "$W/correctness" > "$W/correctness.log" 2>&1
-  echo "correctness: exit $?"
-  grep "^|" "$W/correctness.log"
+  logged "$1" correctness python3 benchmarks/correctness.py --implementation mosaic \
+    --budget $(($1 - 30)) --bwd-block-k 128 --only "$2" --out "$W/correctness"
 }
 
 time_shared_quantize() {  # time_shared_quantize SECONDS: Q, K, V quantized once per step when XLA
@@ -355,16 +362,12 @@ dq128)
   # spills and the kernel split (main, and the small preset's layer with documents), then
   # fwd+bwd end to end from bf16 beside the 64 x 64 tiles and cuDNN BF16
   dq128_correctness 130 T2000_d128_gqa_seg_causal,T4096_d128_128_causal
-  timeout 90 python3 benchmarks/mosaic_backward.py --stages 2 --dq-key-tiles 64,128 \
-    --causal 0,1 --iters 5 --out "$W" > "$W/passes.log" 2>&1
-  echo "passes: exit $?"
-  grep "^|" "$W/passes.log"
+  logged 90 passes python3 benchmarks/mosaic_backward.py --stages 2 --dq-key-tiles 64,128 \
+    --causal 0,1 --iters 5 --out "$W"
   key_pass_variants 80 "main:0:default,dq128" "small_t8192_docs:1:default,dq128"
-  timeout 150 python3 benchmarks/attention.py --shapes main --causal both --iters 5 --reps 3 \
-    --budget 130 --arms mosaic_fp8_matched,mosaic_fp8_matched_dq128,cudnn_bf16 --out "$W" \
-    > "$W/attention.log" 2>&1
-  echo "attention: exit $?"
-  grep "^|" "$W/attention.log"
+  logged 150 attention python3 benchmarks/attention.py --shapes main --causal both --iters 5 \
+    --reps 3 --budget 130 --arms mosaic_fp8_matched,mosaic_fp8_matched_dq128,cudnn_bf16 \
+    --out "$W"
   ;;
 dq128causal)
   # the causal side of dq128: ptxas' spills and the kernel split of the causal main shape
@@ -372,11 +375,8 @@ dq128causal)
   # call did not reach, and MLA 192/128 fwd+bwd beside cuDNN BF16 (V padded)
   key_pass_variants 150 "main:1:default,dq128,dq128_pieces64"
   dq128_correctness 200 T4096_d128_128_causal,T2000_d128_gqa_seg_causal
-  timeout 120 python3 benchmarks/attention.py --shapes d192_128 --causal 0 --iters 5 --reps 3 \
-    --budget 100 --arms mosaic_fp8_matched,cudnn_bf16 --tag _mla --out "$W" \
-    > "$W/attention_mla.log" 2>&1
-  echo "attention mla: exit $?"
-  grep "^|" "$W/attention_mla.log"
+  logged 120 attention_mla python3 benchmarks/attention.py --shapes d192_128 --causal 0 \
+    --iters 5 --reps 3 --budget 100 --arms mosaic_fp8_matched,cudnn_bf16 --tag _mla --out "$W"
   ;;
 *)
   echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal" >&2

@@ -719,14 +719,14 @@ def test_dq_in_128_key_steps_matches_the_emulation(causal, seg):
     assert backward_ops.reason(q.shape, v.shape, q.dtype, wide) is None
     out, lse = ops.forward(q, k, v, q_ids, kv_ids, spec=wide, config=cfg, interpret=True)
 
-    def backward(spec, implementation=ops, **kw):
+    def grads(spec, implementation=ops, **kw):  # (the module name `backward` stays free)
         args = (q, k, v, out, lse, do, q_ids, kv_ids)
         return implementation.backward(*args, spec=spec, **kw)
 
-    got = backward(wide, config=cfg, interpret=True, with_stats=True)
-    base = backward(narrow, config=cfg, interpret=True)
+    got = grads(wide, config=cfg, interpret=True, with_stats=True)
+    base = grads(narrow, config=cfg, interpret=True)
     reference = backends.get("reference")
-    want = backward(wide, reference, config=reference.default_config(64, 64))
+    want = grads(wide, reference, config=reference.default_config(64, 64))
     for name in ("dk", "dv"):
         assert bool(jnp.all(getattr(got, name) == getattr(base, name))), name
     err = float(jnp.linalg.norm(got.dq - want.dq) / jnp.linalg.norm(want.dq))
