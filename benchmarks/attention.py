@@ -88,6 +88,9 @@ def arms(case: Case, implementation="pallas"):
         out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode, backend="triton")
     for delta in ("matched", "stale"):  # each backend on its own, whatever "pallas" picks
         out[f"triton_fp8_{delta}"] = ours(delta, "fp8", backend="triton")
+        # the Triton backward on 64 x 128 dS scale tiles (the tiles are backend-neutral)
+        wide_ds = dataclasses.replace(default_tiles(case.dqk, case.dv), bwd_block_k=128)
+        out[f"triton_fp8_{delta}_dq128"] = ours(delta, "fp8", backend="triton", tiles=wide_ds)
         out[f"mosaic_fp8_{delta}"] = ours(delta, "fp8", backend="mosaic")
         # dQ by TMA reduce-add from the dK/dV pass (no dQ pass; not bitwise reproducible)
         out[f"mosaic_fp8_{delta}_dq_key_pass"] = ours(

@@ -38,6 +38,9 @@
 #                                          # steps): correctness, passes, spills, fwd+bwd
 #   bash benchmarks/h200_mosaic.sh dq128causal # its causal spills and kernel split, the
 #                                          # correctness rows left, MLA 192/128 fwd+bwd
+#   bash benchmarks/h200_mosaic.sh dq128e2e # fwd+bwd end to end on both dS tiles, both
+#                                          # backends, causal and not, D=64; the causal key
+#                                          # pass with 64-column dots
 #   bash benchmarks/h200_mosaic.sh docs    # packed documents: document tiles bit for bit
 #                                          # against every tile visited and masked (forward
 #                                          # first, then the gradients); the 569m layer at
@@ -378,8 +381,23 @@ dq128causal)
   logged 120 attention_mla python3 benchmarks/attention.py --shapes d192_128 --causal 0 \
     --iters 5 --reps 3 --budget 100 --arms mosaic_fp8_matched,cudnn_bf16 --tag _mla --out "$W"
   ;;
+dq128e2e)
+  # the decision on 64 x 128 dS tiles: fwd+bwd end to end from bf16 with the 64-column
+  # dots rule, causal and not, beside stale and cuDNN BF16; the Triton backward on both
+  # tiles (they are backend-neutral); D=64; the causal key pass with 64-column dots on the
+  # 64 x 64 tiles
+  for causal in 0 1; do
+    logged 150 "attention_causal$causal" python3 benchmarks/attention.py --shapes main \
+      --causal $causal --iters 5 --reps 3 --budget 135 --tag "_causal$causal" --out "$W" \
+      --arms cudnn_bf16,mosaic_fp8_matched,mosaic_fp8_matched_dq128,mosaic_fp8_stale,triton_fp8_matched_dq128,triton_fp8_matched
+  done
+  logged 100 attention_d64 python3 benchmarks/attention.py --shapes d64 --causal 0 --iters 5 \
+    --reps 3 --budget 85 --arms cudnn_bf16,mosaic_fp8_matched,mosaic_fp8_matched_dq128 \
+    --tag _d64 --out "$W"
+  key_pass_variants 80 "main:1:default,pieces64"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal|dq128e2e" >&2
   exit 2
   ;;
 esac
