@@ -41,6 +41,8 @@
 #   bash benchmarks/h200_mosaic.sh dq128e2e # fwd+bwd end to end on both dS tiles, both
 #                                          # backends, causal and not, D=64; the causal key
 #                                          # pass with 64-column dots
+#   bash benchmarks/h200_mosaic.sh dq128triton # the Triton backward's passes and fwd+bwd on
+#                                          # 64 x 128 dS tiles; Mosaic correctness at D=64
 #   bash benchmarks/h200_mosaic.sh docs    # packed documents: document tiles bit for bit
 #                                          # against every tile visited and masked (forward
 #                                          # first, then the gradients); the 569m layer at
@@ -396,8 +398,19 @@ dq128e2e)
     --tag _d64 --out "$W"
   key_pass_variants 80 "main:1:default,pieces64"
   ;;
+dq128triton)
+  # the Triton backward on 64 x 128 dS tiles with the dK/dV pass at 64 keys per program
+  # (TritonConfig.dkdv_keys): its passes under warps and stages, fwd+bwd end to end on both
+  # tiles; the Mosaic backend's GPU correctness at D=64 on 64 x 128
+  logged 170 triton_passes python3 benchmarks/passes.py --implementation triton --modes fast \
+    --bwd 128,128:8:2,128:4:3,128:8:1 --only delta_matched_kernel,dq_pass,dkdv_pass --bf16 0 \
+    --iters 5 --budget 150 --out "$W"
+  logged 150 attention python3 benchmarks/attention.py --shapes main --causal both --iters 5 \
+    --reps 3 --budget 135 --arms triton_fp8_matched,triton_fp8_matched_dq128 --out "$W"
+  dq128_correctness 100 T4096_d64_64_causal
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal|dq128e2e" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal|dq128e2e|dq128triton" >&2
   exit 2
   ;;
 esac

@@ -70,20 +70,33 @@ def timing_loop(fn, args, iters):
     return loop, leaves
 
 
-def passes(case, precision, mode, implementation="triton"):
+def backward_setting(text: str) -> dict:
+    """``--bwd`` entry "KEYS:WARPS:STAGES" (an empty part keeps the default) -> overrides:
+    bwd_block_k (the dS tile's keys, a numerics choice) and the Triton backward's
+    bwd_num_warps, bwd_num_stages."""
+    parts = (text.split(":") + ["", "", ""])[:3]
+    names = ("bwd_block_k", "bwd_num_warps", "bwd_num_stages")
+    return {n: int(x) for n, x in zip(names, parts) if x}
+
+
+def passes(case, precision, mode, implementation="triton", setting=None):
     """name -> Pass(fn, args, matmuls counted) of a backend for one precision; ``mode``: the
     Triton FP8 accumulation mode, "default" (the backend's default launch config) or, for
-    the Mosaic backend, "xla_quantize" (the quantize pre-pass as XLA ops, not one kernel)."""
+    the Mosaic backend, "xla_quantize" (the quantize pre-pass as XLA ops, not one kernel);
+    ``setting``: :func:`backward_setting`'s overrides."""
     q, k, v, do = case.arrays(seed=0, dtype=jnp.bfloat16)
     backend = backends.get(implementation)
     config = backend.default_config(case.dqk, case.dv)
+    tiles = default_tiles(case.dqk, case.dv)
+    setting = dict(setting or {})
+    if "bwd_block_k" in setting:
+        tiles = dataclasses.replace(tiles, bwd_block_k=setting.pop("bwd_block_k"))
+    config = dataclasses.replace(config, **setting)
     if mode == "xla_quantize":
         config = dataclasses.replace(config, fused_quantize=False)
     elif mode != "default":
         config = dataclasses.replace(config, fp8_accumulation=mode)
-    spec = AttentionSpec(
-        case.causal, "matched", precision, case.dqk**-0.5, default_tiles(case.dqk, case.dv)
-    )
+    spec = AttentionSpec(case.causal, "matched", precision, case.dqk**-0.5, tiles)
     return backend.passes(q, k, v, do, spec=spec, config=config)
 
 
@@ -107,6 +120,15 @@ def main(argv=None):
         help="the backend whose passes are timed",
     )
     p.add_argument("--shape", default="main", choices=sorted(BENCH_SHAPES))
+    p.add_argument(
+        "--bwd",
+        default="",
+        help="comma-separated backward settings KEYS:WARPS:STAGES (dS tile keys, Triton "
+        "backward warps and stages; an empty part keeps the default), each timed in FP8 "
+        "after --modes with its first mode",
+    )
+    p.add_argument("--only", default="", help="comma-separated pass names to time (default all)")
+    p.add_argument("--bf16", type=int, default=1, help="0: skip the bf16 run")
     p.add_argument("--smoke", action="store_true", help="tiny shape in interpret mode (CPU)")
     args = p.parse_args(argv)
     start = time.time()
@@ -115,12 +137,17 @@ def main(argv=None):
         case = case.shrunk()
     one_matmul = 2 * case.b * case.hq * case.t * case.s * case.dqk * (0.5 if case.causal else 1.0)
     rows = []
-    runs = [("fp8", m) for m in args.modes.split(",") if m]
-    runs.append(("bf16", "precise" if args.implementation == "triton" else "default"))
+    modes = [m for m in args.modes.split(",") if m]
+    runs = [("fp8", m, "") for m in modes]
+    runs += [("fp8", modes[0], b) for b in args.bwd.split(",") if b]
+    if args.bf16:
+        runs.append(("bf16", "precise" if args.implementation == "triton" else "default", ""))
+    only = [n for n in args.only.split(",") if n]
     impl = args.implementation + ("_interpret" if args.smoke else "")
-    for precision, mode in runs:
+    for precision, base_mode, bwd in runs:
+        mode = f"{base_mode} bwd {bwd}" if bwd else base_mode
         try:
-            plan = passes(case, precision, mode, impl)
+            plan = passes(case, precision, base_mode, impl, backward_setting(bwd))
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rows.append(
@@ -128,6 +155,8 @@ def main(argv=None):
             )
             continue
         for name, (fn, fargs, matmuls) in plan.items():
+            if only and name not in only:
+                continue
             if time.time() - start > args.budget:
                 rows.append(
                     dict(precision=precision, mode=mode, name=name, error="skipped: time budget")

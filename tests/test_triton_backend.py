@@ -115,3 +115,54 @@ def test_triton_config_picks_triton_under_pallas(monkeypatch, caplog):
         backend, config = backends.resolve("pallas", q, q, q, spec, TritonConfig(num_warps=8))
     assert backend.name == "triton" and config.num_warps == 8
     assert "implementation='pallas' runs 'triton'" in caplog.text
+
+
+def _kernel_grids(fn, *args) -> dict:
+    """{pallas_call name: grid} of every kernel in ``fn``'s jaxpr."""
+    grids = {}
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                grids[eqn.params["name"]] = tuple(eqn.params["grid_mapping"].grid)
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return grids
+
+
+@pytest.mark.parametrize("ds_scale, dkdv_programs", [("rows", 8), ("tile", 4)])
+def test_dkdv_pass_keys_per_program_on_64_x_128_ds_tiles(ds_scale, dkdv_programs):
+    """On a 64 x 128 dS tile, the dK/dV pass launches TritonConfig.dkdv_keys (64) keys per
+    program when dS^ is scaled per tile row (dK's scales are per key over 64 queries: the
+    key width is free; at 128 keys its dK and dV accumulators made the pass 2.7x slower on
+    an H100), and the dS tile's 128 with per-tile scales. dK and dV are the bits of the
+    64 x 64 tiles' with per-row scales."""
+    from pallas_kernels.fp8_attention.triton import ops as triton
+
+    ks = jax.random.split(jax.random.key(3), 4)
+    q, k, v, do = (jax.random.normal(kk, (1, 512, 2, 64), jnp.bfloat16) for kk in ks)
+    config = default_config(64, 64)
+
+    def grads(tiles):
+        spec = AttentionSpec(True, "matched", "fp8", 0.125, tiles)
+
+        def step(q, k, v, do):
+            out, lse = triton.forward(q, k, v, None, None, spec=spec, config=config, interpret=True)
+            return triton.backward(
+                q, k, v, out, lse, do, None, None, spec=spec, config=config, interpret=True
+            )
+
+        grids = _kernel_grids(step, q, k, v, do)
+        return jax.jit(step)(q, k, v, do), grids
+
+    wide = NumericsTiles(64, 128, 64, 128, ds_scale=ds_scale)
+    (_, dk, dv, *_), grids = grads(wide)
+    (dkdv,) = [g for name, g in grids.items() if name.startswith("dm_fp8_attention_dkdv")]
+    assert dkdv[0] == dkdv_programs  # 512 keys / keys per program
+    if ds_scale == "rows":
+        (_, dk64, dv64, *_), _ = grads(NumericsTiles(64, 128, 64, 64))
+        assert jnp.array_equal(dk, dk64) and jnp.array_equal(dv, dv64)

@@ -23,13 +23,19 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16
 class TritonConfig:
     """Warps and pipeline stages of the forward and of the backward passes (delta, dQ,
     dK/dV), and how the FP8 dots accumulate on Hopper: "precise" (fp16 mma.sync), "promote32"
-    or "fast" (FP8 wgmma); see fp8_accumulation.py (private JAX API, version-guarded)."""
+    or "fast" (FP8 wgmma); see fp8_accumulation.py (private JAX API, version-guarded).
+
+    ``dkdv_keys``: keys per program of the dK/dV pass when dS^ is scaled per tile row
+    (``NumericsTiles.ds_scale="rows"``): dK's scales are then per key over the tile's
+    queries, so the key width is free (the same bits at any width); capped at the dS
+    tile's keys. With per-tile scales the pass takes the dS tile's keys."""
 
     num_warps: int = 4
     num_stages: int = 2
     bwd_num_warps: int = 4
     bwd_num_stages: int = 2
     fp8_accumulation: str = "fast"
+    dkdv_keys: int = 64
 
     def __post_init__(self):
         if self.fp8_accumulation not in fp8_accumulation.MODES:
@@ -44,6 +50,16 @@ class TritonConfig:
         for name in ("num_stages", "bwd_num_stages"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        keys = self.dkdv_keys
+        if not isinstance(keys, int) or keys < 16 or keys & (keys - 1):
+            raise ValueError(f"dkdv_keys must be a power of two of at least 16, got {keys!r}")
+
+
+def dkdv_block_k(tiles, config: TritonConfig) -> int:
+    """Keys per program of the dK/dV pass for these tiles (TritonConfig.dkdv_keys)."""
+    if tiles.ds_scale != "rows":
+        return tiles.bwd_block_k
+    return min(tiles.bwd_block_k, config.dkdv_keys)
 
 
 # Measured on the H200 (docs/benchmarks.md "Block sizes per head dim", 2026-11-29, fast FP8

@@ -17,7 +17,12 @@ from pallas_kernels.fp8_attention.triton import backward as bwd_kernels
 from pallas_kernels.fp8_attention.triton import delta as delta_kernels
 from pallas_kernels.fp8_attention.triton import forward as fwd_kernels
 from pallas_kernels.fp8_attention.triton.common import MaskSpec
-from pallas_kernels.fp8_attention.triton.config import TritonConfig, default_config, supported
+from pallas_kernels.fp8_attention.triton.config import (
+    TritonConfig,
+    default_config,
+    dkdv_block_k,
+    supported,
+)
 from pallas_kernels.fp8_attention.triton.quantize import (
     QuantizedTensor,
     pad_rows,
@@ -142,6 +147,11 @@ def _backward_operands(q, k, v, lse, do, q_ids, kv_ids, spec, config, interpret)
     return _BackwardOperands(q8, k8, v8, do8, q_seg, kv_seg, lse, kwargs)
 
 
+def _dkdv_kwargs(ops: _BackwardOperands, spec: AttentionSpec, config: TritonConfig) -> dict:
+    """The dK/dV pass's keyword arguments, with its own key width (see dkdv_block_k)."""
+    return dict(ops.kwargs, block_k=dkdv_block_k(spec.tiles, config))
+
+
 def _ds_operands(ops: _BackwardOperands, delta_p):
     """The dQ and dK/dV passes' operands: a non-finite delta row is zeroed and poisons its
     row's scores instead (a masked pair would multiply it by P = 0)."""
@@ -204,7 +214,7 @@ def backward(
         *operands, precision=spec.precision, with_stats=with_stats, ds_scale=ds_scale, **ops.kwargs
     )
     dk, dv = bwd_kernels.dkdv_pass(
-        *operands, precision=spec.precision, ds_scale=ds_scale, **ops.kwargs
+        *operands, precision=spec.precision, ds_scale=ds_scale, **_dkdv_kwargs(ops, spec, config)
     )
 
     def public(x, n, d, dtype):  # [B, H, Np, Dp] -> [B, N, H, D]
@@ -264,7 +274,8 @@ def passes(q, k, v, do, *, spec: AttentionSpec, config: TritonConfig, interpret:
         return bwd_kernels.dq_pass(*a, None, None, precision=precision, **ds_kw)[0]
 
     def dkdv_pass(*a):
-        return bwd_kernels.dkdv_pass(*a, None, None, precision=precision, **ds_kw)
+        kw = dict(_dkdv_kwargs(ops, spec, config), ds_scale=spec.tiles.ds_scale)
+        return bwd_kernels.dkdv_pass(*a, None, None, precision=precision, **kw)
 
     return {
         "quantize_fwd": Pass(quantize_fwd, (q, k, v), 0),
