@@ -121,7 +121,6 @@ def operands(
     piece_columns=0,
     shared_quantize=False,
     early_p=False,
-    ds_rows=False,
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8, v8 = quantize_all(quantize, q, k, v, shared_quantize)
@@ -151,7 +150,7 @@ def operands(
         pingpong=pingpong,
         pieces=dot_pieces(piece_columns, bool(segments), spec.tiles.bwd_block_k),
         early_p=early_p,
-        ds_rows=ds_rows,
+        ds_rows=spec.tiles.ds_scale == "rows",  # one dS^ scale per tile row, as the spec says
     )
     b, hkv = k8.inv_rows.shape[:2]
     # each 128-key block's factors (repeated over 64 rows) once per 64-key tile

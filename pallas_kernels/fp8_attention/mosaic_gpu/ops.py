@@ -136,7 +136,6 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         piece_columns=config.backward_piece_columns,
         shared_quantize=config.shared_quantize,
         early_p=config.backward_early_p,
-        ds_rows=spec.tiles.ds_scale == "rows",
     )
 
 
