@@ -39,8 +39,10 @@ F32 = jnp.float32
 
 BACKWARD_VARIANTS = {  # arm suffix -> (MosaicConfig fields, NumericsTiles fields)
     "early_p": (dict(backward_early_p=True), {}),
-    "ds_tile": ({}, dict(ds_scale="tile")),  # the default until 2026-12-04
-    "early_p_ds_tile": (dict(backward_early_p=True), dict(ds_scale="tile")),
+    "ds_tile": ({}, dict(ds_scale="tile", bwd_block_k=64)),  # the default until 2026-12-04
+    "early_p_ds_tile": (dict(backward_early_p=True), dict(ds_scale="tile", bwd_block_k=64)),
+    # dS scale tiles of 64 x 64 with per-row scales (the default until 2026-12-06)
+    "dq64": ({}, dict(bwd_block_k=64)),
     # dQ's dS^ scaled per query over 128 keys: the dQ pass steps 128 keys (dK's per-key
     # scales stay over 64 queries)
     "dq128": ({}, dict(bwd_block_k=128)),
@@ -88,9 +90,11 @@ def arms(case: Case, implementation="pallas"):
         out[f"ours_fp8_stale_{mode}"] = ours("stale", "fp8", mode, backend="triton")
     for delta in ("matched", "stale"):  # each backend on its own, whatever "pallas" picks
         out[f"triton_fp8_{delta}"] = ours(delta, "fp8", backend="triton")
-        # the Triton backward on 64 x 128 dS scale tiles (the tiles are backend-neutral)
-        wide_ds = dataclasses.replace(default_tiles(case.dqk, case.dv), bwd_block_k=128)
-        out[f"triton_fp8_{delta}_dq128"] = ours(delta, "fp8", backend="triton", tiles=wide_ds)
+        # the Triton backward on 64 x 128 dS scale tiles (the tiles are backend-neutral) and
+        # on 64 x 64 (the default until 2026-12-06)
+        for suffix, keys in (("dq128", 128), ("dq64", 64)):
+            tiles = dataclasses.replace(default_tiles(case.dqk, case.dv), bwd_block_k=keys)
+            out[f"triton_fp8_{delta}_{suffix}"] = ours(delta, "fp8", backend="triton", tiles=tiles)
         out[f"mosaic_fp8_{delta}"] = ours(delta, "fp8", backend="mosaic")
         # dQ by TMA reduce-add from the dK/dV pass (no dQ pass; not bitwise reproducible)
         out[f"mosaic_fp8_{delta}_dq_key_pass"] = ours(

@@ -31,8 +31,8 @@ from dm_jax.numerics import DELTA_MODES
 from pallas_kernels.fp8_attention.tiles import default_tiles
 
 SCALINGS = {  # name -> NumericsTiles fields changed from the head dims' defaults
-    "rows": dict(ds_scale="rows"),
-    "tile": dict(ds_scale="tile"),
+    "rows": dict(ds_scale="rows", bwd_block_k=64),
+    "tile": dict(ds_scale="tile", bwd_block_k=64),
     "rows_k128": dict(ds_scale="rows", bwd_block_k=128),
 }
 
