@@ -125,20 +125,16 @@ case "$MODE" in
 check)
   CASES=T2000_d128_gqa_seg_causal,T4096_d128_128,T4096_d128_128_causal,T4096_d64_64_causal
   [ "${LONG:-0}" = 1 ] && CASES="$CASES,T16384_d128_128_causal"
-  timeout 330 python3 benchmarks/correctness.py --implementation mosaic --budget 240 \
-    --only "$CASES" --out "$W" > "$W/correctness.log" 2>&1
-  echo "correctness: exit $?"
-  grep "^|" "$W/correctness.log"
+  logged 330 correctness python3 benchmarks/correctness.py --implementation mosaic \
+    --budget 240 --only "$CASES" --out "$W"
   timeout 150 python3 benchmarks/nan_masking.py --implementations pallas --out "$W" \
     > "$W/nan_masking.log" 2>&1
   echo "nan_masking: exit $?"
   tail -12 "$W/nan_masking.log"
   ;;
 passes)
-  timeout 240 python3 benchmarks/mosaic_backward.py --stages 2 --delta-key-tiles 128 \
-    --pingpong 0,1 --causal 0,1 --out "$W" > "$W/mosaic_backward.log" 2>&1
-  echo "mosaic_backward: exit $?"
-  grep "^|" "$W/mosaic_backward.log"
+  logged 240 mosaic_backward python3 benchmarks/mosaic_backward.py --stages 2 \
+    --delta-key-tiles 128 --pingpong 0,1 --causal 0,1 --out "$W"
   ;;
 step)
   timeout 420 python3 benchmarks/attention.py --causal both \
@@ -148,17 +144,12 @@ step)
   tail -20 "$W/attention.log"
   # D=256: the forward's quantize pre-pass as one kernel against XLA ops (the forward ran
   # at 330 TFLOP/s in the head-dim run, 498 before the fused kernel and the NaN masking)
-  timeout 120 python3 benchmarks/passes.py --implementation mosaic --shape d256 \
-    --modes default,xla_quantize --out "$W" > "$W/passes_d256.log" 2>&1
-  echo "passes d256: exit $?"
-  grep "^|" "$W/passes_d256.log"
+  logged 120 passes_d256 python3 benchmarks/passes.py --implementation mosaic --shape d256 \
+    --modes default,xla_quantize --out "$W"
   ;;
 levers)
   # the quantize kernel's warps per program at the main shape
-  timeout 150 python3 benchmarks/quantize_speed.py --warps 4,8,16 --out "$W" \
-    > "$W/quantize_speed.log" 2>&1
-  echo "quantize_speed: exit $?"
-  grep "^|" "$W/quantize_speed.log"
+  logged 150 quantize_speed python3 benchmarks/quantize_speed.py --warps 4,8,16 --out "$W"
   # D=256's forward kernel: registers and spills (ptxas' report)
   MOSAIC_GPU_DUMP_PTXAS=1 timeout 120 python3 benchmarks/profile_mosaic.py --shape d256 \
     > "$W/ptxas_d256_forward.log" 2>&1
@@ -166,11 +157,8 @@ levers)
   grep -i "registers\|spill\|stack" "$W/ptxas_d256_forward.log" | head -8
   ;;
 wide)
-  timeout 300 python3 benchmarks/correctness.py --implementation mosaic --budget 240 \
-    --only T4096_d256_256_causal,T4096_d192_128_causal --out "$W" \
-    > "$W/correctness.log" 2>&1
-  echo "correctness: exit $?"
-  grep "^|" "$W/correctness.log"
+  logged 300 correctness python3 benchmarks/correctness.py --implementation mosaic \
+    --budget 240 --only T4096_d256_256_causal,T4096_d192_128_causal --out "$W"
   timeout 240 python3 benchmarks/attention.py --shapes d256,d192_128 --causal 0 --budget 200 \
     --arms mosaic_fp8_matched,mosaic_fwd_triton_bwd_fp8_matched,cudnn_bf16 --tag _wide \
     --out "$W" > "$W/attention.log" 2>&1
@@ -178,15 +166,12 @@ wide)
   tail -8 "$W/attention.log"
   ;;
 headline)
-  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 150 \
+  logged 200 correctness python3 benchmarks/correctness.py --implementation mosaic \
+    --budget 150 \
     --only T4096_d128_128,T4096_d128_128_causal,T4096_d256_256_causal,T4096_d192_128_causal \
-    --out "$W" > "$W/correctness.log" 2>&1
-  echo "correctness: exit $?"
-  grep "^|" "$W/correctness.log"
-  timeout 70 python3 benchmarks/mosaic_backward.py --stages 2 --delta-key-tiles 128 \
-    --pingpong 0 --causal 0 --out "$W" > "$W/mosaic_backward.log" 2>&1
-  echo "mosaic_backward: exit $?"
-  grep "^|" "$W/mosaic_backward.log"
+    --out "$W"
+  logged 70 mosaic_backward python3 benchmarks/mosaic_backward.py --stages 2 \
+    --delta-key-tiles 128 --pingpong 0 --causal 0 --out "$W"
   timeout 150 python3 benchmarks/attention.py --shapes main,d64,d256,d192_128 --causal 0 \
     --budget 130 --iters 5 --reps 3 --arms mosaic_fp8_matched,cudnn_bf16 --tag _heads \
     --out "$W" > "$W/attention_heads.log" 2>&1
@@ -222,9 +207,7 @@ kernels)
   done
   ;;
 dqkeys)
-  timeout 250 python3 benchmarks/dq_key_pass.py --out "$W" > "$W/dq_key_pass.log" 2>&1
-  echo "dq_key_pass: exit $?"
-  grep "^|" "$W/dq_key_pass.log"
+  logged 250 dq_key_pass python3 benchmarks/dq_key_pass.py --out "$W"
   timeout 280 python3 benchmarks/attention.py --causal both --shapes main --iters 5 --reps 3 \
     --budget 240 --arms mosaic_fp8_matched,mosaic_fp8_matched_dq_key_pass,cudnn_bf16 \
     --tag _dq_key_pass --out "$W" > "$W/attention.log" 2>&1
@@ -257,11 +240,10 @@ profile)
   done
   ;;
 gaps)
-  timeout 230 python3 benchmarks/correctness.py --implementation mosaic --budget 190 \
+  logged 230 correctness python3 benchmarks/correctness.py --implementation mosaic \
+    --budget 190 \
     --only T2000_d256_256_gqa_seg_causal,T2000_d192_128_gqa_seg_causal,T4096_d256_256_causal \
-    --out "$W" > "$W/correctness.log" 2>&1
-  echo "correctness: exit $?"
-  grep "^|" "$W/correctness.log"
+    --out "$W"
   timeout 130 python3 benchmarks/attention.py --shapes main --causal 1 --budget 100 --iters 5 \
     --reps 3 --arms mosaic_fp8_matched,mosaic_fp8_stale,cudnn_bf16 --tag _causal_stale \
     --out "$W" > "$W/attention.log" 2>&1
@@ -318,47 +300,33 @@ early)
   key_pass_variants 140 "main:0:$V" "small_t8192_docs:1:$V"
   A=mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,mosaic_fp8_matched_early_p
   A=${ARMS:-$A,mosaic_fp8_matched_separate_quantize,cudnn_bf16}
-  timeout 170 python3 benchmarks/attention.py --shapes main --causal "${CAUSAL:-0}" --iters 5 \
-    --reps 3 --budget 150 --arms "$A" --out "$W" > "$W/attention.log" 2>&1
-  echo "attention: exit $?"
-  grep "^|" "$W/attention.log"
+  logged 170 attention python3 benchmarks/attention.py --shapes main --causal "${CAUSAL:-0}" \
+    --iters 5 --reps 3 --budget 150 --arms "$A" --out "$W"
   time_shared_quantize 100
   ;;
 rows)
   # dS^ scaled per tile row (NumericsTiles.ds_scale="rows", the default since 2026-12-04)
   # on the GPU: both backends against the emulation and f32 (matched pre-cast row sums),
   # then fwd+bwd end to end against the per-tile scales and cuDNN BF16, causal and not
-  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
-    --only T2000_d128_gqa_seg_causal,T4096_d128_128_causal --out "$W" > "$W/mosaic.log" 2>&1
-  echo "correctness mosaic: exit $?"
-  grep "^|" "$W/mosaic.log"
+  logged 200 mosaic python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
+    --only T2000_d128_gqa_seg_causal,T4096_d128_128_causal --out "$W"
   mkdir -p "$W/triton"
-  timeout 110 python3 benchmarks/correctness.py --implementation triton --budget 90 \
-    --only T2000_d128_gqa_seg_causal --out "$W/triton" > "$W/triton.log" 2>&1
-  echo "correctness triton: exit $?"
-  grep "^|" "$W/triton.log"
-  timeout 200 python3 benchmarks/attention.py --shapes main --causal both --iters 5 --reps 3 \
-    --budget 180 --arms mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,cudnn_bf16 --out "$W" \
-    > "$W/attention.log" 2>&1
-  echo "attention: exit $?"
-  grep "^|" "$W/attention.log"
+  logged 110 triton python3 benchmarks/correctness.py --implementation triton --budget 90 \
+    --only T2000_d128_gqa_seg_causal --out "$W/triton"
+  logged 200 attention python3 benchmarks/attention.py --shapes main --causal both --iters 5 \
+    --reps 3 --budget 180 --arms mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,cudnn_bf16 \
+    --out "$W"
   ;;
 rowsheads)
-  timeout 200 python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
+  logged 200 mosaic python3 benchmarks/correctness.py --implementation mosaic --budget 170 \
     --only T2000_d256_256_gqa_seg_causal,T2000_d192_128_gqa_seg_causal,T4096_d64_64_causal \
-    --out "$W" > "$W/mosaic.log" 2>&1
-  echo "correctness mosaic: exit $?"
-  grep "^|" "$W/mosaic.log"
-  timeout 200 python3 benchmarks/attention.py --shapes d64,d256,d192_128 --causal 0 --iters 5 \
-    --reps 3 --budget 180 --arms mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,cudnn_bf16 \
-    --tag _heads --out "$W" > "$W/attention_heads.log" 2>&1
-  echo "attention heads: exit $?"
-  grep "^|" "$W/attention_heads.log"
-  timeout 110 python3 benchmarks/attention.py --shapes main --causal 1 --iters 5 --reps 3 \
-    --budget 90 --arms mosaic_fp8_matched,mosaic_fp8_stale,cudnn_bf16 --tag _stale \
-    --out "$W" > "$W/attention_stale.log" 2>&1
-  echo "attention stale: exit $?"
-  grep "^|" "$W/attention_stale.log"
+    --out "$W"
+  logged 200 attention_heads python3 benchmarks/attention.py --shapes d64,d256,d192_128 \
+    --causal 0 --iters 5 --reps 3 --budget 180 \
+    --arms mosaic_fp8_matched_ds_tile,mosaic_fp8_matched,cudnn_bf16 --tag _heads --out "$W"
+  logged 110 attention_stale python3 benchmarks/attention.py --shapes main --causal 1 \
+    --iters 5 --reps 3 --budget 90 --arms mosaic_fp8_matched,mosaic_fp8_stale,cudnn_bf16 \
+    --tag _stale --out "$W"
   ;;
 dq128)
   # dS scale tiles of 64 x 128 (NumericsTiles(bwd_block_k=128): dQ's dS^ one scale per
@@ -403,10 +371,10 @@ dq128triton)
   # (TritonConfig.dkdv_keys): its passes under warps and stages, fwd+bwd end to end on both
   # tiles; the Mosaic backend's GPU correctness at D=64 on 64 x 128
   logged 170 triton_passes python3 benchmarks/passes.py --implementation triton --modes fast \
-    --bwd 128,128:8:2,128:4:3,128:8:1 --only delta_matched_kernel,dq_pass,dkdv_pass --bf16 0 \
-    --iters 5 --budget 150 --out "$W"
+    --bwd 64,128,128:8:2,128:4:3,128:8:1 --only delta_matched_kernel,dq_pass,dkdv_pass \
+    --bf16 0 --iters 5 --budget 150 --out "$W"
   logged 150 attention python3 benchmarks/attention.py --shapes main --causal both --iters 5 \
-    --reps 3 --budget 135 --arms triton_fp8_matched,triton_fp8_matched_dq128 --out "$W"
+    --reps 3 --budget 135 --arms triton_fp8_matched,triton_fp8_matched_dq64 --out "$W"
   dq128_correctness 100 T4096_d64_64_causal
   ;;
 *)
