@@ -78,8 +78,13 @@ class NumericsTiles:
 # dim", 2026-11-29, [4, 4096, 16, D]); the launch settings of the same sweep are in
 # triton/config.py.
 _DEFAULTS = (
-    (64, (64, 128), (64, 64)),
-    (128, (64, 128), (64, 64)),
+    # dS scale tiles of 64 x 128 at head dims up to 128 (since 2026-12-07): dQ's per-query
+    # scales over one K scale block, so the Mosaic dQ pass steps 128 keys (3-6% faster
+    # fwd+bwd, the same errors against f32); the Triton backward pays 5-6% (its dQ pass
+    # at 128 keys; its dK/dV pass keeps 64 keys per program, TritonConfig.dkdv_keys).
+    # docs/mosaic_gpu.md, "64 x 128 dS tiles end to end" and "The default since 2026-12-07".
+    (64, (64, 128), (64, 128)),
+    (128, (64, 128), (64, 128)),
     # MLA: Dqk 192, Dv 128. The dS tile is 64 x 64 (the Mosaic backward's; 2.2x faster
     # fwd+bwd than the Triton passes on the H200), not the Triton backward's best 64 x 32
     # (111 against 106 TFLOP/s there): docs/mosaic_gpu.md, "Head dims over 128".
