@@ -77,3 +77,65 @@ def test_linear_layer_takes_the_scaling_and_rejects_unknown_ones():
         fp8.Linear(K, N, fp8=True, fp8_scaling="per_row", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="scaling: must be one of"):
         fp8.fp8_matmul(x, w, "blockwise")
+
+
+def _dot_operand_dtypes(closed_jaxpr):
+    """The operand dtypes of every dot_general in a jaxpr, custom_vjp bodies included."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return found
+
+
+def _bf16_linear_and_fused_pair():
+    rngs = nnx.Rngs(0)
+    single = fp8.Linear(48, 32, rngs=rngs)
+    pair = [fp8.Linear(48, 16, rngs=rngs), fp8.Linear(48, 24, rngs=rngs)]
+    return single, pair
+
+
+def test_bf16_linear_backward_dots_take_bf16_operands():
+    """The high-precision layers' dx and dW dots run on bf16 operands (the cotangent cast
+    once), not on the FP32 cotangent that plain autodiff of an FP32-output dot gives."""
+    graphdef, params = nnx.split(_bf16_linear_and_fused_pair())
+    x = jax.random.normal(jax.random.key(1), (2, 8, 48), jnp.bfloat16)
+
+    def loss(params, x):
+        single, pair = nnx.merge(graphdef, params)
+        ys = [single(x), *fp8.fused_linear(x, pair)]
+        return sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in ys)
+
+    dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
+    assert len(dots) == 6  # forward, dx, dW for each of the two matmuls
+    assert all(d == ("bfloat16", "bfloat16") for d in dots), dots
+
+
+def test_bf16_linear_weight_gradient_keeps_fp32_sums():
+    """dW = x^T dy from bf16 x and dy, summed and returned in FP32: it matches the FP32
+    product of the same bf16 values far below bf16's rounding (2^-9 relative); dx is
+    dy W^T from the same bf16 operands, rounded once to bf16."""
+    graphdef, params = nnx.split(_bf16_linear_and_fused_pair()[0])
+    x = jax.random.normal(jax.random.key(2), (4, 64, 48), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(3), (4, 64, 32), jnp.bfloat16)
+    y, vjp = jax.vjp(lambda params, x: nnx.merge(graphdef, params)(x), params, x)
+    dparams, dx = vjp(dy)
+    dw, w = dparams["kernel"][...], params["kernel"][...]
+    x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
+    want = jnp.einsum("btk,btn->kn", x32, dy32, precision="highest")
+    assert dw.dtype == jnp.float32
+    rel = float(jnp.max(jnp.abs(dw - want)) / jnp.max(jnp.abs(want)))
+    assert rel < 1e-5, rel
+    w16 = w.astype(jnp.bfloat16).astype(jnp.float32)
+    want_dx = jnp.einsum("btn,kn->btk", dy32, w16, precision="highest")
+    assert dx.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(dx, np.float32), want_dx, rtol=8e-3, atol=1e-3)

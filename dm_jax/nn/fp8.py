@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dm_jax import numerics
+from dm_jax.nn.matmul import compute_dtype_dot_general, compute_dtype_matmul
 
 FP8 = numerics.FP8_DTYPE
 FP8_MAX = numerics.FP8_MAX
@@ -202,7 +203,8 @@ def _cast_input_only(args, *, dtype=None, inexact=True):
 class Linear(nnx.Linear):
     """`nnx.Linear` (y = x @ W (+ b), weights stored in float32) whose output is in `dtype`
     (bf16 by default), with the matmul in FP8 (current scaling, `fp8_dot_general`) when
-    `fp8=True`, otherwise in `dtype` with FP32 accumulation. `fp8_scaling` picks the FP8
+    `fp8=True`, otherwise in `dtype` with FP32 accumulation (the backward's dots too, dW
+    summed in FP32: `compute_dtype_matmul`). `fp8_scaling` picks the FP8
     scale granularity (`SCALINGS`: "per_token" keeps every token's output its own).
 
     The kernel is initialized N(0, init_std^2), init_std defaulting to in_features^-1/2.
@@ -225,8 +227,12 @@ class Linear(nnx.Linear):
                 f"in_features/out_features must be positive, got {in_features}/{out_features}"
             )
         std = init_std if init_std is not None else in_features**-0.5
-        dot = functools.partial(fp8_dot_general, scaling=check_scaling(fp8_scaling))
-        extra = dict(dot_general=dot, promote_dtype=_cast_input_only) if fp8 else {}
+        # the kernel stays FP32 into either dot, which casts it itself: FP8 from FP32, or
+        # bf16 with the backward's dots in bf16 and dW's sums kept in FP32 (nn/matmul.py)
+        dot = compute_dtype_dot_general
+        if fp8:
+            dot = functools.partial(fp8_dot_general, scaling=check_scaling(fp8_scaling))
+        extra = dict(dot_general=dot, promote_dtype=_cast_input_only)
         super().__init__(
             in_features,
             out_features,
@@ -269,15 +275,9 @@ def fused_linear(x_XK: jax.Array, linears) -> list[jax.Array]:
             )
     if x_XK.shape[-1] != first.in_features:
         raise ValueError(f"x: expected last dim {first.in_features}, got shape {x_XK.shape}")
-    kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1)
-    x, kernel = x_XK.astype(first.dtype), kernel.astype(first.dtype)
-    y = jax.lax.dot_general(
-        x,
-        kernel,
-        (((x.ndim - 1,), (0,)), ((), ())),
-        precision=first.precision,
-        preferred_element_type=jnp.float32,
-    ).astype(first.dtype)
+    kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1)  # FP32
+    x = x_XK.astype(first.dtype)
+    y = compute_dtype_matmul(x, kernel, first.dtype, first.precision).astype(first.dtype)
     return split_widths(y, [lin.out_features for lin in linears])
 
 

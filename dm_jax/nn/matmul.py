@@ -1,0 +1,68 @@
+"""High-precision linear layers' matmul: bf16 operands in all three dots, FP32 sums.
+
+    y  = x W      x, W in the compute dtype (bf16), FP32 accumulation and output
+    dx = dy W^T   dy cast to the compute dtype; FP32 accumulation, dx in x's dtype
+    dW = x^T dy   the same operands; FP32 accumulation, dW in the stored kernel's FP32
+
+Plain autodiff of `dot_general(x_bf16, W_bf16, preferred_element_type=f32)` transposes
+with the FP32 cotangent: dx and dW become FP32 x FP32 matmuls (TF32 at best on the GPU,
+half the bf16 rate, twice the bytes), and dW is still rounded to bf16 at the kernel's
+cast. Here the cotangent is cast once, both gradient dots run at the bf16 rate, and dW
+keeps its FP32 sums (docs/training.md, "The backward's dots in bf16").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _contract_last_first(x, w, precision, dtype=None):
+    """x [..., K] @ w [K, N] with FP32 accumulation; the result in FP32 or ``dtype``."""
+    y = jax.lax.dot_general(
+        x,
+        w,
+        (((x.ndim - 1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return y if dtype is None else y.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def compute_dtype_matmul(x_XK, w_KN, dtype, precision=None):
+    """x_XK [..., K] @ w_KN [K, N] with both operands in ``dtype`` -> float32 [..., N]."""
+    return _contract_last_first(x_XK.astype(dtype), w_KN.astype(dtype), precision)
+
+
+def _forward(x_XK, w_KN, dtype, precision):
+    return compute_dtype_matmul(x_XK, w_KN, dtype, precision), (x_XK, w_KN)
+
+
+def _backward(dtype, precision, residuals, dy_XN):
+    x_XK, w_KN = residuals  # as given: the casts below are the forward's (XLA shares them)
+    x_c, w_c = x_XK.astype(dtype), w_KN.astype(dtype)
+    dy = dy_XN.astype(dtype)  # one cast: both gradient dots take compute-dtype operands
+    dx = _contract_last_first(dy, w_c.T, precision, x_XK.dtype)  # dx = dy W^T
+    x_MK, dy_MN = x_c.reshape(-1, x_c.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    dw = _contract_last_first(x_MK.T, dy_MN, precision, w_KN.dtype)  # dW = x^T dy, FP32
+    return dx, dw
+
+
+compute_dtype_matmul.defvjp(_forward, _backward)
+
+
+def compute_dtype_dot_general(
+    x_XK, w_KN, dimension_numbers=None, precision=None, preferred_element_type=None, **kwargs
+):
+    """`jax.lax.dot_general` as `nnx.Linear` calls it (x's last dim against the FP32 kernel's
+    first), the operands in x's dtype (`compute_dtype_matmul`); returns float32 [..., N]."""
+    del preferred_element_type, kwargs  # FP32 accumulation and output, always
+    if dimension_numbers is not None and dimension_numbers != (((x_XK.ndim - 1,), (0,)), ((), ())):
+        raise ValueError(
+            f"dimension_numbers: the matmul contracts x's last dim with w's first, "
+            f"got {dimension_numbers}"
+        )
+    return compute_dtype_matmul(x_XK, w_KN, x_XK.dtype, precision)
