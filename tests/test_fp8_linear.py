@@ -79,24 +79,6 @@ def test_linear_layer_takes_the_scaling_and_rejects_unknown_ones():
         fp8.fp8_matmul(x, w, "blockwise")
 
 
-def _dot_operand_dtypes(closed_jaxpr):
-    """The operand dtypes of every dot_general in a jaxpr, custom_vjp bodies included."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(closed_jaxpr.jaxpr)
-    return found
-
-
 def _bf16_linear_and_fused_pair():
     rngs = nnx.Rngs(0)
     single = fp8.Linear(48, 32, rngs=rngs)
@@ -115,9 +97,9 @@ def test_bf16_linear_backward_dots_take_bf16_operands():
         ys = [single(x), *fp8.fused_linear(x, pair)]
         return sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in ys)
 
-    dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
+    dots = fp8.dot_operand_dtypes(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x))
     assert len(dots) == 6  # forward, dx, dW for each of the two matmuls
-    assert all(d == ("bfloat16", "bfloat16") for d in dots), dots
+    assert all(d == (jnp.bfloat16, jnp.bfloat16) for d in dots), dots
 
 
 def test_bf16_linear_weight_gradient_keeps_fp32_sums():
@@ -127,7 +109,7 @@ def test_bf16_linear_weight_gradient_keeps_fp32_sums():
     graphdef, params = nnx.split(_bf16_linear_and_fused_pair()[0])
     x = jax.random.normal(jax.random.key(2), (4, 64, 48), jnp.bfloat16)
     dy = jax.random.normal(jax.random.key(3), (4, 64, 32), jnp.bfloat16)
-    y, vjp = jax.vjp(lambda params, x: nnx.merge(graphdef, params)(x), params, x)
+    _, vjp = jax.vjp(lambda params, x: nnx.merge(graphdef, params)(x), params, x)
     dparams, dx = vjp(dy)
     dw, w = dparams["kernel"][...], params["kernel"][...]
     x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)

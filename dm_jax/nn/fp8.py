@@ -42,7 +42,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dm_jax import numerics
-from dm_jax.nn.matmul import compute_dtype_dot_general, compute_dtype_matmul
+from dm_jax.nn.matmul import (
+    check_last_against_first,
+    compute_dtype_dot_general,
+    compute_dtype_matmul,
+)
 
 FP8 = numerics.FP8_DTYPE
 FP8_MAX = numerics.FP8_MAX
@@ -145,29 +149,35 @@ def _fp8_matmul_bwd(scaling, res, dy_MN):
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
+def dot_operand_dtypes(closed_jaxpr) -> list[tuple]:
+    """The operand dtypes of every dot_general equation in a jaxpr, sub-jaxprs (custom_vjp
+    bodies, scans, conds) included, in the order the walk meets them."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(tuple(jnp.dtype(v.aval.dtype) for v in eqn.invars))
+            for p in eqn.params.values():
+                for sub in p if isinstance(p, (tuple, list)) else (p,):
+                    inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed_jaxpr.jaxpr)
+    return found
+
+
 def fp8_dot_count(closed_jaxpr) -> int:
     """Number of dot_general equations with an FP8 operand in a jaxpr (sub-jaxprs included).
 
     `fp8_dot_count(jax.make_jaxpr(fn)(*args))` checks which matmuls a precision scope puts
     in FP8.
     """
-
-    def walk(jaxpr):
-        n = 0
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general" and any(
-                jnp.dtype(v.aval.dtype).itemsize == 1 and "float8" in str(v.aval.dtype)
-                for v in eqn.invars
-            ):
-                n += 1
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                    if hasattr(inner, "eqns"):
-                        n += walk(inner)
-        return n
-
-    return walk(closed_jaxpr.jaxpr)
+    return sum(
+        any(d.itemsize == 1 and "float8" in str(d) for d in dtypes)
+        for dtypes in dot_operand_dtypes(closed_jaxpr)
+    )
 
 
 def fp8_dot_general(
@@ -183,11 +193,7 @@ def fp8_dot_general(
     """`jax.lax.dot_general` as `nnx.Linear` calls it (x's last dim against w's first), with
     both operands in FP8 (`fp8_matmul` with `scaling`); returns float32 [..., N]."""
     del precision, preferred_element_type, kwargs  # FP32 accumulation, always
-    if dimension_numbers is not None and dimension_numbers != (((x_XK.ndim - 1,), (0,)), ((), ())):
-        raise ValueError(
-            f"dimension_numbers: the FP8 dot contracts x's last dim with w's first, "
-            f"got {dimension_numbers}"
-        )
+    check_last_against_first(x_XK, dimension_numbers, "the FP8 dot")
     y_MN = fp8_matmul(x_XK.reshape(-1, x_XK.shape[-1]), w_KN, scaling)
     return y_MN.reshape(*x_XK.shape[:-1], w_KN.shape[-1])
 
