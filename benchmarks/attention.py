@@ -41,7 +41,7 @@ BACKWARD_VARIANTS = {  # arm suffix -> (MosaicConfig fields, NumericsTiles field
     "early_p": (dict(backward_early_p=True), {}),
     "ds_tile": ({}, dict(ds_scale="tile", bwd_block_k=64)),  # the default until 2026-12-04
     "early_p_ds_tile": (dict(backward_early_p=True), dict(ds_scale="tile", bwd_block_k=64)),
-    # dS scale tiles of 64 x 64 with per-row scales (the default until 2026-12-06)
+    # dS scale tiles of 64 x 64 with per-row scales (the default until 2026-12-07)
     "dq64": ({}, dict(bwd_block_k=64)),
     # dQ's dS^ scaled per query over 128 keys: the dQ pass steps 128 keys (dK's per-key
     # scales stay over 64 queries)
@@ -91,7 +91,7 @@ def arms(case: Case, implementation="pallas"):
     for delta in ("matched", "stale"):  # each backend on its own, whatever "pallas" picks
         out[f"triton_fp8_{delta}"] = ours(delta, "fp8", backend="triton")
         # the Triton backward on 64 x 128 dS scale tiles (the tiles are backend-neutral) and
-        # on 64 x 64 (the default until 2026-12-06)
+        # on 64 x 64 (the default until 2026-12-07)
         for suffix, keys in (("dq128", 128), ("dq64", 64)):
             tiles = dataclasses.replace(default_tiles(case.dqk, case.dv), bwd_block_k=keys)
             out[f"triton_fp8_{delta}_{suffix}"] = ours(delta, "fp8", backend="triton", tiles=tiles)

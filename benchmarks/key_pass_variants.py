@@ -30,7 +30,7 @@ by the compiler on the same stream) falls under its variant. Variants:
   and factor loads per matmul). dK and dV bitwise the default's; dQ a numerics change
   (arm suffix ``_dq128`` in ``benchmarks/attention.py``). ``dq128_pieces64``: the same with
   the backward's dots in 64-column pieces (fewer live registers beside dQ's accumulator).
-  The default at head dims up to 128 since 2026-12-06; ``dq64``: the 64 x 64 tiles of before.
+  The default at head dims up to 128 since 2026-12-07; ``dq64``: the 64 x 64 tiles of before.
 
 Per variant: microseconds per step by kernel kind (`benchmarks/layer_kernels.py`), and the
 largest difference of dQ, dK, dV from the default's. Writes key_pass_variants.json.
