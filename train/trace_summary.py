@@ -41,6 +41,7 @@ OP_CLASSES = (
 # slice of it, and the residuals each iteration writes for the backward pass.
 _SCAN_WORDS = {"while", "stack"}
 TOP = 15
+TOP_OP_NAMES = 60  # op_names kept in the JSON: enough to rank levers below the first few
 TOP_INSTRUCTIONS = 40  # the costliest HLO instructions kept with their shape and op_name
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=")
 _SHAPE_AND_OPCODE = re.compile(r"=\s*(.+?)\s+([\w\-]+)\(")
@@ -269,8 +270,8 @@ def summarize(
     `steps` steps; `busy_s`: the GPU's busy time over those steps (`stream_busy`), if known.
     Returns {"step_s", "op_s", "host_s", "busy_s", "unattributed_s", "by_layer_kind",
     "by_op_class", "by_direction", "top_op_names", "unnamed_ops"} (seconds per step; each
-    "by_*" maps to [seconds, share]; the last two hold the `TOP` costliest op_names and
-    unnamed ops), and "top_instructions": the `TOP_INSTRUCTIONS` costliest HLO instructions,
+    "by_*" maps to [seconds, share]; the last two hold the `TOP_OP_NAMES` costliest
+    op_names and the `TOP` costliest unnamed ops), and "top_instructions": the `TOP_INSTRUCTIONS` costliest HLO instructions,
     {instruction: [seconds, launches per step, op_name, shape and opcode from `shapes`
     (`instruction_shapes`) or ""]}. With `busy_s`, kernel time beyond the named operations'
     is "unattributed" and host time is the step minus the busy time."""
@@ -312,7 +313,7 @@ def summarize(
         host_s=host_s,
         busy_s=busy,
         unattributed_s=unattributed,
-        top_op_names=dict(by_op_name.most_common(TOP)),
+        top_op_names=dict(by_op_name.most_common(TOP_OP_NAMES)),
         unnamed_ops=dict(unnamed.most_common(TOP)),
         top_instructions={
             op: [secs, round(launches[op], 2), names.get(op, ""), (shapes or {}).get(op, "")]
