@@ -16,19 +16,12 @@ from flax import nnx
 from jax.extend import core as jcore
 
 import dm_jax
+from dm_jax.jaxpr_walk import equations, sub_jaxprs
 from dm_jax.models import HybridLM, preset
 
 _REDUCTIONS = {"reduce_max", "reduce_min", "reduce_sum", "reduce_prod", "argmax", "argmin"}
 _LOOPS = {"scan", "while"}  # a loop carry is not constant even when its initial value is
 _OPAQUE = {"pallas_call"}  # kernel bodies: XLA does not fold inside a custom call
-
-
-def _sub_jaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr's Jaxpr (one class in jax 0.11)
-            if hasattr(inner, "eqns") and hasattr(inner, "invars"):
-                yield inner
 
 
 def constant_reductions(jaxpr, const_in=None, where="") -> list[str]:
@@ -43,7 +36,7 @@ def constant_reductions(jaxpr, const_in=None, where="") -> list[str]:
             src = jax._src.source_info_util.summarize(eqn.source_info)
             found.append(f"{name} {eqn.invars[0].aval.shape} @ {src} ({where})")
         if name not in _OPAQUE:
-            for sub in _sub_jaxprs(eqn):
+            for sub in sub_jaxprs(eqn):
                 n = len(sub.invars)
                 if name in _LOOPS:
                     sub_in = [False] * n
@@ -101,3 +94,17 @@ def test_training_gradient_reduces_no_constant(scan_layers):
     segments = jax.ShapeDtypeStruct((2, 128), jnp.int32)
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params, tokens, segments).jaxpr
     assert constant_reductions(jaxpr) == []
+
+
+def test_the_equation_walk_enters_scans_and_custom_vjp_bodies():
+    @jax.custom_vjp
+    def double(x):
+        return jnp.sin(x) * 2.0
+
+    double.defvjp(lambda x: (double(x), x), lambda x, g: (g * 2.0 * jnp.cos(x),))
+
+    def fn(x):
+        return jax.lax.scan(lambda c, _: (double(c), None), x, None, length=3)[0]
+
+    names = [eqn.primitive.name for eqn in equations(jax.make_jaxpr(fn)(jnp.ones(2)))]
+    assert names.index("scan") < names.index("sin")  # the scan, then its body's custom_vjp

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import dm_jax
-from dm_jax import backends
+from dm_jax import backends, jaxpr_walk
 from pallas_kernels.fp8_attention.api import AttentionSpec
 from pallas_kernels.fp8_attention.tiles import NumericsTiles, default_tiles
 from pallas_kernels.fp8_attention.triton import fp8_accumulation
@@ -119,19 +119,11 @@ def test_triton_config_picks_triton_under_pallas(monkeypatch, caplog):
 
 def _kernel_grids(fn, *args) -> dict:
     """{pallas_call name: grid} of every kernel in ``fn``'s jaxpr."""
-    grids = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "pallas_call":
-                grids[eqn.params["name"]] = tuple(eqn.params["grid_mapping"].grid)
-            for param in eqn.params.values():
-                inner = getattr(param, "jaxpr", None)
-                if hasattr(inner, "eqns"):
-                    walk(inner)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return grids
+    return {
+        eqn.params["name"]: tuple(eqn.params["grid_mapping"].grid)
+        for eqn in jaxpr_walk.equations(jax.make_jaxpr(fn)(*args))
+        if eqn.primitive.name == "pallas_call"
+    }
 
 
 @pytest.mark.parametrize("ds_scale, dkdv_programs", [("rows", 8), ("tile", 4)])

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dm_jax import numerics
+from dm_jax import jaxpr_walk, numerics
 from dm_jax.nn.matmul import (
     check_last_against_first,
     compute_dtype_dot_general,
@@ -152,20 +152,11 @@ fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 def dot_operand_dtypes(closed_jaxpr) -> list[tuple]:
     """The operand dtypes of every dot_general equation in a jaxpr, sub-jaxprs (custom_vjp
     bodies, scans, conds) included, in the order the walk meets them."""
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                found.append(tuple(jnp.dtype(v.aval.dtype) for v in eqn.invars))
-            for p in eqn.params.values():
-                for sub in p if isinstance(p, (tuple, list)) else (p,):
-                    inner = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(closed_jaxpr.jaxpr)
-    return found
+    return [
+        tuple(jnp.dtype(v.aval.dtype) for v in eqn.invars)
+        for eqn in jaxpr_walk.equations(closed_jaxpr)
+        if eqn.primitive.name == "dot_general"
+    ]
 
 
 def fp8_dot_count(closed_jaxpr) -> int:
