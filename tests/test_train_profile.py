@@ -80,6 +80,7 @@ def test_profile_step_writes_json_and_markdown(tmp_path, capsys, monkeypatch):
     )
     md = (out / "profile.md").read_text()
     assert "| attention_core |" in md and "the bound on any attention speed-up" in md
+    assert "command buffers off" in md  # its tokens/s may be launch-bound: the header says so
     with gzip.open(out / "step_hlo.txt.gz", "rt") as f:
         hlo = f.read()
     assert "ENTRY" in hlo and all(op in hlo for op in payload["top_instructions"])
@@ -105,6 +106,12 @@ def test_op_events_read_an_xla_ops_timeline_and_skip_enclosing_loops():
     assert summary["by_op_class"]["mixer"][0] == pytest.approx(4e-6)
     assert summary["by_op_class"]["optimizer"][0] == pytest.approx(3e-6)
     assert summary["host_s"] == pytest.approx(3e-6)
+
+
+def test_command_buffers_off_is_read_from_the_flags():
+    assert profile_step._command_buffers_off("--a=1 --xla_gpu_enable_command_buffer=")
+    assert not profile_step._command_buffers_off("--xla_gpu_enable_command_buffer=FUSION")
+    assert not profile_step._command_buffers_off("")
 
 
 def test_command_buffers_off_keeps_other_xla_flags(monkeypatch):

@@ -140,12 +140,23 @@ def _write(out: str, payload: dict) -> None:
         + (f", MFU {mfu:.1%}" if mfu is not None else "")
         + f"; compile {payload['compile_seconds']:.1f} s ({payload['compile_cache']})\n\n"
     )
+    if _command_buffers_off(payload["xla_flags"]):
+        head += (
+            "Profiled with CUDA command buffers off (every kernel named, launched alone): "
+            "where the host's launches outlast the GPU work, the step here is slower than in "
+            "`python -m train` (row 'host' shows the gaps); time speed there.\n\n"
+        )
     md = trace_summary.markdown(payload, title).replace("\n\n", "\n\n" + head, 1)
     config.write_json_atomic(os.path.join(out, "profile.json"), payload, indent=2)
     with open(os.path.join(out, "profile.md.tmp"), "w") as f:
         f.write(md)
     os.replace(os.path.join(out, "profile.md.tmp"), os.path.join(out, "profile.md"))
     print(md)
+
+
+def _command_buffers_off(flags: str) -> bool:
+    """True where XLA_FLAGS `flags` switch XLA's CUDA command buffers off (an empty list)."""
+    return xla_flags.flag_value("xla_gpu_enable_command_buffer", flags) == ""
 
 
 def _disable_command_buffers() -> None:
