@@ -271,10 +271,11 @@ def summarize(
     Returns {"step_s", "op_s", "host_s", "busy_s", "unattributed_s", "by_layer_kind",
     "by_op_class", "by_direction", "top_op_names", "unnamed_ops"} (seconds per step; each
     "by_*" maps to [seconds, share]; the last two hold the `TOP_OP_NAMES` costliest
-    op_names and the `TOP` costliest unnamed ops), and "top_instructions": the `TOP_INSTRUCTIONS` costliest HLO instructions,
-    {instruction: [seconds, launches per step, op_name, shape and opcode from `shapes`
-    (`instruction_shapes`) or ""]}. With `busy_s`, kernel time beyond the named operations'
-    is "unattributed" and host time is the step minus the busy time."""
+    op_names and the `TOP` costliest unnamed ops), and "top_instructions": the
+    `TOP_INSTRUCTIONS` costliest HLO instructions, {instruction: [seconds, launches per
+    step, op_name, shape and opcode from `shapes` (`instruction_shapes`) or ""]}. With
+    `busy_s`, kernel time beyond the named operations' is "unattributed" and host time is
+    the step minus the busy time."""
     tables = {k: collections.Counter() for k in ("by_layer_kind", "by_op_class", "by_direction")}
     unnamed, by_op_name = collections.Counter(), collections.Counter()
     by_instruction, launches = collections.Counter(), collections.Counter()
