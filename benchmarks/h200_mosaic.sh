@@ -43,6 +43,9 @@
 #                                          # pass with 64-column dots
 #   bash benchmarks/h200_mosaic.sh dq128triton # the Triton backward's passes and fwd+bwd on
 #                                          # 64 x 128 dS tiles; Mosaic correctness at D=64
+#   bash benchmarks/h200_mosaic.sh unmasked # the column poison on masked steps only: NaN
+#                                          # masking, fwd+bwd beside cuDNN BF16, GPU
+#                                          # correctness with segments and GQA
 #   bash benchmarks/h200_mosaic.sh docs    # packed documents: document tiles bit for bit
 #                                          # against every tile visited and masked (forward
 #                                          # first, then the gradients); the 569m layer at
@@ -366,6 +369,21 @@ dq128e2e)
     --tag _d64 --out "$W"
   key_pass_variants 80 "main:1:default,pieces64"
   ;;
+unmasked)
+  # the column poison on masked steps only (2026-12-07): NaN masking, fwd+bwd end to end
+  # beside cuDNN BF16 (causal and not), GPU correctness with segments and GQA
+  timeout 80 python3 benchmarks/nan_masking.py --implementations pallas --out "$W" \
+    > "$W/nan_masking.log" 2>&1
+  echo "nan_masking: exit $?"
+  tail -5 "$W/nan_masking.log"
+  for causal in 0 1; do
+    logged 100 "attention_causal$causal" python3 benchmarks/attention.py --shapes main \
+      --causal $causal --iters 5 --reps 3 --budget 85 --tag "_causal$causal" --out "$W" \
+      --arms cudnn_bf16,mosaic_fp8_matched
+  done
+  logged 100 correctness python3 benchmarks/correctness.py --implementation mosaic \
+    --budget 75 --only T2000_d128_gqa_seg_causal --out "$W"
+  ;;
 dq128triton)
   # the Triton backward on 64 x 128 dS tiles with the dK/dV pass at 64 keys per program
   # (TritonConfig.dkdv_keys): its passes under warps and stages, fwd+bwd end to end on both
@@ -378,7 +396,7 @@ dq128triton)
   dq128_correctness 100 T4096_d64_64_causal
   ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal|dq128e2e|dq128triton" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal|dq128e2e|dq128triton|unmasked" >&2
   exit 2
   ;;
 esac

@@ -689,6 +689,7 @@ def test_matched_delta_in_128_key_steps_equals_64():
             ops_.k8.values,
             ops_.v8.values,
             ops_.kv_aux,
+            ops_.kv_flags,
             ops_.k8.values_t,
             want="dq",
             key_tile=128,  # dQ steps 128 keys only with one dS^ scale per query (ds_rows)
@@ -786,6 +787,7 @@ def test_column_chunks_equal_one_launch(monkeypatch):
         operands.k8.values,
         operands.v8.values,
         operands.kv_aux,
+        backward_ops.query_flags(rows, k.shape[2]),
         out_dtype=jnp.float32,
         dv_cols=(0, 0),
         **operands.kwargs,
@@ -852,3 +854,30 @@ def test_finite_row_amax_ignores_inf_and_nan_bit_for_bit():
     want = np.where(np.isfinite(x), np.abs(x), 0).max(axis=1)
     got = np.asarray(jax.jit(backward._finite_row_amax)(jnp.asarray(x)))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_poison_flags_mark_the_kv_heads_with_a_bad_token():
+    """The flags that send a CTA's every step down the masked path (which adds the column
+    side's poison): per (batch, kv head), over the kv head's query heads for queries."""
+    from pallas_kernels.fp8_attention import numerics
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward
+
+    b, hq, hkv, tp = 2, 4, 2, 128
+    bad = jnp.zeros((b, hq, tp), bool).at[1, 3, 70].set(True)  # query head 3: kv head 1
+    rows = (
+        jnp.zeros((b, hq, tp // 64, 5, 64))
+        .at[..., 4, :]
+        .set(numerics.poison(bad).reshape(b, hq, tp // 64, 64))
+    )
+    flags = backward_ops.query_flags(rows, hkv)
+    assert flags.shape == (b, hkv, forward.FLAG_WORDS) and flags.dtype == jnp.int32
+    assert np.array_equal(flags[..., 0], [[0, 0], [0, 1]]) and bool(
+        jnp.all(flags == flags[..., :1])
+    )
+    keys = forward.poison_flags(jnp.zeros((b, hkv, 256), bool).at[0, 0, 255].set(True))
+    assert np.array_equal(keys[..., 0], [[1, 0], [0, 0]])
+    clean, dirty = jnp.bool_(True), jnp.bool_(False)
+    assert int(forward.clean_bounds(clean, 5)) == 5 and int(forward.clean_bounds(dirty, 5)) == 0
+    bounds = forward.clean_bounds(dirty, None, (1, 3, 6, 9))
+    assert [int(x) for x in bounds] == [1, 9, 9, 9]  # all steps in the first masked loop
+    assert [int(x) for x in forward.clean_bounds(clean, None, (1, 3, 6, 9))] == [1, 3, 6, 9]

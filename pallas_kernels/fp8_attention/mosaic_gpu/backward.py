@@ -8,7 +8,12 @@ Both kinds of pass recompute, per (64 queries x 64 keys) tile, in log2 units
     dS  = P (dP^ - delta),  s = 2^floor(log2(448 / amax|dS|)),  dS^ = e4m3(dS s)
                                      (no clip needed: |dS s| <= 448 exactly)
 (poison: NaN for a query row or key whose operands were not finite, else 0, so NaN reaches
-exactly the visible pairs.) The 64 x 64 tile is the contract's dS scale tile
+exactly the visible pairs. The row's poison rides in its factor; the column's is added on
+masked steps only, and a CTA with a bad token on its column side (keys in the query pass,
+queries in the key pass: :func:`.forward.poison_flags`) takes every step masked. So an
+unmasked step forms S2 - lse2 in one multiply-add per score: the same values.) The matched
+delta sums P_ij (dO8 V8^T)_ij and applies dP^'s factor to the tile's row sums: a power of
+two, so the same bits as summing P_ij dP^_ij. The 64 x 64 tile is the contract's dS scale tile
 (``NumericsTiles.ds_tile``); the amax runs over each row of the accumulator (``ds_rows``,
 ``NumericsTiles.ds_scale="rows"``: per query in the query pass, per key in the key pass,
 within one warp's quad of threads) or over the whole tile (a cross-warp max through shared
@@ -47,10 +52,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.mosaic_gpu import regroup
 from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
+    FLAG_WORDS,
     LOG2E,
     SMEM_BYTES,
     WARPGROUPS,
     ForwardMask,
+    clean_bounds,
+    clean_columns,
     cta_range,
     document_loops,
     fitting,
@@ -398,6 +406,7 @@ def query_pass(
     k8,
     v8,
     kv_aux,
+    kv_flags,
     kt8=None,
     q_seg=None,
     kv_seg=None,
@@ -426,6 +435,8 @@ def query_pass(
       k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv]: e4m3.
       kv_aux [B, Hkv, Sp / 64, 3, 64] f32, per 64-key tile: K's and V's decode factors
         (repeated) and the keys' poison (NaN for a key whose K or V row was not finite).
+      kv_flags [B, Hkv, FLAG_WORDS] int32 (:func:`.forward.poison_flags` of the bad keys):
+        where set, every step adds the keys' poison (the masked path).
       kt8 [B, Hkv, Dqk, Sp]: the permuted K-major copy of K (``want="dq"`` only).
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
       key_tile: keys per step, 64 or 128 (one K and one V scale block per step). For
@@ -483,7 +494,7 @@ def query_pass(
     c = sm_scale * LOG2E
     to_operand = regroup.operand_fn(interpret)
 
-    def kernel(q_ref, do_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
+    def kernel(q_ref, do_ref, rows_ref, k_ref, v_ref, kvinv_ref, flags_ref, *rest):
         rest = list(rest)
         kt_ref = rest.pop(0) if want_dq else None
         qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
@@ -492,7 +503,7 @@ def query_pass(
         smem, bars = scratch
         q_smem2, do_smem2, rows_smem2, qseg_smem2, out_smem2, a_smem2, stats_smem2 = smem[:7]
         red_smem2, tiles_smem2 = smem[7:9]
-        k_smem, v_smem, kt_smem, kvinv_smem, kseg_smem = smem[9:]
+        k_smem, v_smem, kt_smem, kvinv_smem, kseg_smem, flags_smem2 = smem[9:]
         q_bars, k_bars, v_bars, kt_bars, aux_bars, seg_bars, free, schedule = bars
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
         q_tile = query_tile(tp // CTA_TOKENS, mask.causal and longest_first)
@@ -532,6 +543,10 @@ def query_pass(
             # end at or before its first row (no mask)
             steps = jnp.minimum(n_k, pl.cdiv(row0 + TILE, key_tile)) if mask.causal else n_k
             full = 0 if every_tile else ((row0 + 1) // key_tile if mask.causal else n_k)
+            clean = clean_columns(
+                flags_ref, batch, kv_head, flags_smem2.at[wg], q_bars.at[5 * WARPGROUPS + wg]
+            )
+            full = clean_bounds(clean, full)  # a bad key: every step masked
             # this warpgroup's key tiles: [lo, steps); then it releases [steps, hi)
             lo, hi = cta_range(tiles_smem2.at[wg] if documents else None, cta_steps)
             steps = jnp.maximum(jnp.minimum(steps, hi), lo)
@@ -545,18 +560,20 @@ def query_pass(
                 inv_v = _row(kvinv_smem.at[slot, 1, pl.ds(0, TILE)])
 
                 def probabilities(s):  # P from S (while the dP^ dot runs, with early_p)
-                    k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
-                    # the rows' poison (0 or NaN) joins their factor: one op per score less
-                    s2 = s * _rows((c * inv_q) * inv_k + q_poison, s.shape)
-                    s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
+                    # the rows' poison (0 or NaN) joins their factor: one op per score less;
+                    # S2 - lse2 is one multiply-add per score
+                    s2 = s * _rows((c * inv_q) * inv_k + q_poison, s.shape) - _rows(lse2, s.shape)
                     if mask.segments:  # every step (document tiles' unmasked ones too) waits
                         plgpu.barrier_wait(seg_bars.at[slot])  # for its ids: phases stay paired
+                    if masked:
+                        k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
+                        s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
                     if masked:
                         k_seg = None
                         if mask.segments:
                             k_seg = plgpu.load(kseg_smem.at[slot], (), layout=COL)
                         s2 = _masked(mask, s2, row0, j * key_tile, False, q_seg, k_seg)
-                    return jnp.exp2(s2 - _rows(lse2, s2.shape))
+                    return jnp.exp2(s2)
 
                 p, dp = _dots_first(
                     ((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T)),
@@ -565,10 +582,11 @@ def query_pass(
                     turns.after_issue,
                     early_p,
                 )
-                dp = dp * _rows(inv_do * inv_v, dp.shape)
-                if not want_dq:  # delta_i += sum_j P_ij dP^_ij
+                dp_factor = inv_do * inv_v  # a power of two
+                if not want_dq:  # delta_i += sum_j P_ij dP^_ij, dP^'s factor after the sum
                     plgpu.barrier_arrive(free.at[slot])
-                    return carry + (p * dp).sum(axis=1)
+                    return carry + dp_factor * (p * dp).sum(axis=1)
+                dp = dp * _rows(dp_factor, dp.shape)
                 ds = p * (dp - _rows(delta, p.shape))
                 ds8, amax = _quantize_ds(ds, red_smem2.at[wg], interpret, ds_rows)
                 # (ds8 stays for the statistics: the operand is its regrouped copy)
@@ -596,6 +614,7 @@ def query_pass(
             turns.start()
             if documents:  # masked, unmasked (inside the document), masked
                 bounds = (lo, tiles_smem2.at[wg][0], tiles_smem2.at[wg][1], steps)
+                bounds = clean_bounds(clean, None, bounds)
                 carry = document_loops(step, bounds, init)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
@@ -647,7 +666,7 @@ def query_pass(
                 _copy_to_slot(copies, slot)
 
             # this CTA's key tiles (with document tiles: its row's lo and hi)
-            row = producer_row(tiles_ref, batch, q_tile, tiles_smem2, q_bars.at[5 * WARPGROUPS])
+            row = producer_row(tiles_ref, batch, q_tile, tiles_smem2, q_bars.at[6 * WARPGROUPS])
             lo, hi = cta_range(row, cta_steps)
             _stream(load, free, hi - lo, stages, first=lo)
 
@@ -678,11 +697,12 @@ def query_pass(
             else None,
             plgpu.SMEM((stages, 3, key_tile), F32),
             plgpu.SMEM((stages, key_tile), jnp.int32) if mask.segments else None,
+            plgpu.SMEM((WARPGROUPS, FLAG_WORDS), jnp.int32),  # the keys' poison flag
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            # Q, dO, row data, segments, document tiles (+ the producer's row)
-            plgpu.Barrier(num_barriers=5 * WARPGROUPS + 1),
+            # Q, dO, row data, segments, document tiles, the poison flag (+ the producer's row)
+            plgpu.Barrier(num_barriers=6 * WARPGROUPS + 1),
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V
             plgpu.Barrier(num_barriers=stages),  # K^T
@@ -693,7 +713,7 @@ def query_pass(
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
 
-    args = [q8, do8, q_rows, k8, v8, kv_aux]
+    args = [q8, do8, q_rows, k8, v8, kv_aux, kv_flags]
     if want_dq:
         args.append(kt8)
     if mask.segments:
@@ -718,6 +738,7 @@ def key_pass(
     k8,
     v8,
     kv_aux,
+    q_flags,
     q_seg=None,
     kv_seg=None,
     *,
@@ -745,6 +766,9 @@ def key_pass(
       q_rows [B, Hq, Tp / 64, 5, 64] f32: per query (lse2, delta, inv_q, inv_do, poison).
       k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv] e4m3; kv_aux [B, Hkv, Sp / 64, 3, 64] f32
         as in :func:`query_pass`.
+      q_flags [B, Hkv, FLAG_WORDS] int32 (:func:`.forward.poison_flags` of the poisoned
+        queries of each kv head's query heads): where set, every step adds the queries'
+        poison (the masked path).
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
       dk_cols, dv_cols: (first, count): the columns of dK and of dV this launch forms
@@ -797,7 +821,7 @@ def key_pass(
     c = sm_scale * LOG2E
     to_operand = regroup.operand_fn(interpret)
 
-    def kernel(q_ref, qt_ref, do_ref, dot_ref, rows_ref, k_ref, v_ref, kvinv_ref, *rest):
+    def kernel(q_ref, qt_ref, do_ref, dot_ref, rows_ref, k_ref, v_ref, kvinv_ref, flags_ref, *rest):
         rest = list(rest)
         kt_ref = rest.pop(0) if want_dq else None
         qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
@@ -812,7 +836,8 @@ def key_pass(
         # dQ tiles' staging, used only inside it
         (dk_smem2, dv_smem2), dq_stage2 = outs if want_dq else (outs, None)
         red_smem2, tiles_smem2 = smem[6:8]
-        q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem, kt_smem2, ds_t_smem2 = smem[8:]
+        q_smem, qt_smem, do_smem, dot_smem, rows_smem, qseg_smem, kt_smem2, ds_t_smem2 = smem[8:16]
+        flags_smem2 = smem[16]
         kv_bars, q_bars, qt_bars, do_bars, dot_bars, rows_bars, seg_bars, free = bars[:8]
         schedule, dq_done = bars[8:]
         batch, kv_head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -854,6 +879,9 @@ def key_pass(
                 plgpu.copy_gmem_to_smem(src, dst, kv_bars.at[n * WARPGROUPS + wg])
             for n in range(len(copies)):
                 plgpu.barrier_wait(kv_bars.at[n * WARPGROUPS + wg])
+            clean = clean_columns(  # a bad query: every step masked
+                flags_ref, batch, kv_head, flags_smem2.at[wg], kv_bars.at[6 * WARPGROUPS + wg]
+            )
             inv_k, inv_v = _row(kvinv_smem.at[wg, 0]), _row(kvinv_smem.at[wg, 1])
             k_poison = _row(kvinv_smem.at[wg, 2])
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
@@ -875,19 +903,21 @@ def key_pass(
 
                 def probabilities(st):  # P^T (and its operand) while the dP^T dot runs
                     lse2 = plgpu.load(rows.at[0], (), layout=COL)
-                    q_poison = plgpu.load(rows.at[4], (), layout=COL)
-                    # query_pass' S2 bit for bit but the sign of a zero (which exp2 ignores):
-                    # the same product, NaN where either poison is
+                    # query_pass' S2 - lse2 bit for bit but the sign of a zero (which exp2
+                    # ignores): the same multiply-add, NaN where either poison is
                     s2 = st * _rows((c * inv_q) * inv_k + k_poison, st.shape)
-                    s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
+                    s2 = s2 - lax.broadcast_in_dim(lse2, st.shape, [1])
                     if mask.segments:  # every step (document tiles' unmasked ones too) waits
                         plgpu.barrier_wait(seg_bars.at[slot])  # for its ids: phases stay paired
+                    if masked:
+                        q_poison = plgpu.load(rows.at[4], (), layout=COL)
+                        s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
                     if masked:
                         q_seg = None
                         if mask.segments:
                             q_seg = plgpu.load(qseg_smem.at[slot], (), layout=COL)
                         s2 = _masked(mask, s2, i * TILE, key0, True, q_seg, k_seg)
-                    pt = jnp.exp2(s2 - lax.broadcast_in_dim(lse2, s2.shape, [1]))
+                    pt = jnp.exp2(s2)
                     # early: the dV dot's operand too, before the dP^T dot is waited for
                     return pt, (p_operand(pt) if early_p else None)
 
@@ -945,13 +975,14 @@ def key_pass(
                 lo = g * per_head
                 if documents:  # masked, unmasked (inside the document), masked
                     bounds = (lo, lo + doc_lo, lo + doc_hi, lo + per_head)
-                    return document_loops(step, bounds, carry)
+                    return document_loops(step, clean_bounds(clean, None, bounds), carry)
                 if every_tile:
                     mid = lo + per_head
                 elif mask.causal:
                     mid = lo + jnp.minimum(WARPGROUPS, per_head)
                 else:
                     mid = lo
+                mid = jnp.where(clean, mid, lo + per_head)
                 carry = lax.fori_loop(lo, mid, functools.partial(step, masked=True), carry)
                 return lax.fori_loop(
                     mid, lo + per_head, functools.partial(step, masked=False), carry
@@ -989,7 +1020,7 @@ def key_pass(
 
             # this CTA's query tiles (with document tiles: its row's lo and hi)
             first, per_head = query_range(
-                producer_row(tiles_ref, batch, k_block, tiles_smem2, kv_bars.at[6 * WARPGROUPS])
+                producer_row(tiles_ref, batch, k_block, tiles_smem2, kv_bars.at[7 * WARPGROUPS])
             )
 
             def load(n, slot):
@@ -1050,11 +1081,13 @@ def key_pass(
             plgpu.SMEM((WARPGROUPS, TILE, TILE), F16, transforms=out_transforms(F16))
             if want_dq
             else None,
+            plgpu.SMEM((WARPGROUPS, FLAG_WORDS), jnp.int32),  # the queries' poison flag
         )
         # one copy per barrier (Pallas' GPU interpreter counts one arrival per barrier and copy)
         bars = (
-            # K, V, factors and poison, segments, K^T, document tiles (+ the producer's row)
-            plgpu.Barrier(num_barriers=6 * WARPGROUPS + 1),
+            # K, V, factors and poison, segments, K^T, document tiles, the poison flag (+ the
+            # producer's row)
+            plgpu.Barrier(num_barriers=7 * WARPGROUPS + 1),
             plgpu.Barrier(num_barriers=stages),  # Q
             plgpu.Barrier(num_barriers=stages),  # Q^T
             plgpu.Barrier(num_barriers=stages),  # dO
@@ -1067,7 +1100,7 @@ def key_pass(
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, bars, collective_axes="wg")
 
-    args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_aux]
+    args = [q8, qt8, do8, dot8, q_rows, k8, v8, kv_aux, q_flags]
     args += [kt8] if want_dq else []
     if segs:
         args += [q_seg, kv_seg]

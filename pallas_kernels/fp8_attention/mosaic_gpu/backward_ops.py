@@ -20,7 +20,7 @@ from pallas_kernels.fp8_attention import numerics
 from pallas_kernels.fp8_attention.api import AttentionSpec, BackwardResult
 from pallas_kernels.fp8_attention.mosaic_gpu import backward as kernels
 from pallas_kernels.fp8_attention.mosaic_gpu import documents, quantize_kernel
-from pallas_kernels.fp8_attention.mosaic_gpu.forward import ForwardMask, kernel_dtype
+from pallas_kernels.fp8_attention.mosaic_gpu.forward import ForwardMask, kernel_dtype, poison_flags
 from pallas_kernels.fp8_attention.mosaic_gpu.quantize import (
     BLOCK,
     MosaicOperand,
@@ -82,6 +82,7 @@ class Operands(NamedTuple):
     # [B, Hkv, Sp / 64, 3, 64] per 64-key tile: K's and V's decode factors (repeated) and
     # the keys' poison (NaN for a key whose K or V row was not finite, else 0)
     kv_aux: jax.Array
+    kv_flags: jax.Array  # [B, Hkv, FLAG_WORDS] int32: 1 where a (batch, kv head) has a bad key
     q_poison: jax.Array  # [B, Hq, Tp] f32: NaN for rows with a bad Q, dO or lse
     lse2: jax.Array  # [B, Hq, Tp] f32, log2 units (0 where lse was NaN: poisoned instead)
     segments: tuple  # (q_seg [B, Tp], kv_seg [B, Sp]) or ()
@@ -155,8 +156,8 @@ def operands(
     b, hkv = k8.inv_rows.shape[:2]
     # each 128-key block's factors (repeated over 64 rows) once per 64-key tile
     inv_k, inv_v = (jnp.repeat(x.inv_rows, BLOCK // kernels.TILE, axis=2) for x in (k8, v8))
-    k_poison = numerics.poison(k8.nonfinite | v8.nonfinite)
-    k_poison = k_poison.reshape(b, hkv, sp // kernels.TILE, kernels.TILE)
+    bad_keys = k8.nonfinite | v8.nonfinite
+    k_poison = numerics.poison(bad_keys).reshape(b, hkv, sp // kernels.TILE, kernels.TILE)
     kv_aux = jnp.stack([inv_k, inv_v, k_poison], axis=3)
     return Operands(
         q8,
@@ -164,6 +165,7 @@ def operands(
         v8,
         do8,
         kv_aux,
+        poison_flags(bad_keys),
         q_poison,
         lse2,
         segments,
@@ -208,6 +210,14 @@ def query_rows(ops: Operands, delta_p):
     return jnp.swapaxes(rows, 2, 3)
 
 
+def query_flags(rows, hkv: int):
+    """[B, Hkv, FLAG_WORDS] int32: the key pass's poison flags, 1 where a query of one of
+    the kv head's query heads is poisoned in ``rows`` (:func:`query_rows`)."""
+    b, hq, n, _, tile = rows.shape
+    bad_queries = jnp.isnan(rows[:, :, :, 4]).reshape(b, hq, n * tile)
+    return poison_flags(bad_queries, hq // hkv)
+
+
 def _query_pass(ops: Operands, rows, **kwargs):
     kt = ops.k8.values_t if kwargs["want"] == "dq" else None
     tiles = None if ops.doc_tiles is None else ops.doc_tiles[kwargs["want"]]
@@ -219,6 +229,7 @@ def _query_pass(ops: Operands, rows, **kwargs):
         k8,
         v8,
         ops.kv_aux,
+        ops.kv_flags,
         kt,
         *ops.segments,
         longest_first=ops.longest_first,
@@ -279,6 +290,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
             parts.append(part)
         dq = _concat(parts)
     if "dkdv" in passes:
+        q_flags = query_flags(rows, ops.k8.values.shape[1])
         dk_parts, dv_parts, dq_parts = [], [], []
         wide = "per_chunk" if dq_from_keys else ops.wide_launches
         for dk_cols, dv_cols in kernels.key_pass_launches(dqk, dv_dim, wide):
@@ -291,6 +303,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
                 ops.k8.values,
                 ops.v8.values,
                 ops.kv_aux,
+                q_flags,
                 *ops.segments,
                 out_dtype=kv_dtype,
                 dk_cols=dk_cols,

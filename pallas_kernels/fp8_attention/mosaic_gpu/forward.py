@@ -16,7 +16,11 @@ units (c = sm_scale * log2(e)), for the 64 rows of a consumer warpgroup:
 P256 is cast to e4m3 in registers and regrouped into the 8-bit operand layout
 (:mod:`.regroup`); V^T arrives with its tokens permuted to match. Tokens whose Q, K or V row
 held a non-finite value arrive zeroed, with NaN in inv_q (bad queries) or in the per-key
-``poison`` (bad keys or values, else 0): NaN reaches exactly the visible pairs.
+``poison`` (bad keys or values, else 0): NaN reaches exactly the visible pairs. The poison
+is added on masked steps only; a CTA whose kv head holds a bad key (:func:`poison_flags`)
+takes every step masked. An unmasked step takes the row max on the raw scores
+(max_j S_ij f_i = f_i max_j S_ij for f_i > 0, bit for bit) and forms S2 - m' + 8 in one
+multiply-add per score.
 """
 
 from __future__ import annotations
@@ -159,11 +163,44 @@ def producer_row(tiles_ref, batch, cta, tiles_smem, barrier):
     return row
 
 
+FLAG_WORDS = 32  # int32 per row of poison flags: 128 bytes, a TMA copy's alignment
+
+
+def poison_flags(bad_BHT, group: int = 1):
+    """[B, H / group, FLAG_WORDS] int32: 1 where any token of a (batch, head) row, over
+    ``group`` consecutive heads, is bad (its poison is NaN), else 0. A kernel's steps add
+    the poison of their tiles' columns only where they are masked anyway or this flag is
+    set (:func:`clean_columns`)."""
+    b, h, t = bad_BHT.shape
+    any_bad = jnp.any(bad_BHT.reshape(b, h // group, group * t), axis=-1).astype(jnp.int32)
+    return jnp.broadcast_to(any_bad[..., None], any_bad.shape + (FLAG_WORDS,))
+
+
+def clean_columns(flags_ref, batch, head, flag_smem, barrier):
+    """Whether no token on the column side of this CTA's tiles (keys in the forward and the
+    query passes, queries in the key pass) is bad: then its unmasked steps need not add
+    their poison (one op per score less, and S2 - lse2 one multiply-add). Else every step
+    takes the masked path, which adds it: the same values either way."""
+    plgpu.copy_gmem_to_smem(flags_ref.at[batch, head], flag_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    return flag_smem[0] == 0
+
+
+def clean_bounds(clean, full, bounds=None):
+    """``full`` (the unmasked steps [0, full)), or with ``bounds`` (document_loops' four
+    bounds) those bounds, narrowed to no unmasked step where ``clean`` is False."""
+    if bounds is None:
+        return jnp.where(clean, full, 0)
+    first, mid0, mid1, last = bounds
+    return first, jnp.where(clean, mid0, last), jnp.where(clean, mid1, last), last
+
+
 def smem_bytes(stages: int, dqk: int, dv: int, out_dtype, out_cols=None) -> int:
     """Shared memory of one CTA: Q and O tiles per consumer warpgroup (O ``out_cols`` wide,
     default ``dv``), K / V^T stages."""
     out_cols = dv if out_cols is None else out_cols
-    per_wg = ROWS * (dqk + out_cols * jnp.dtype(out_dtype).itemsize + 12) + 128  # + doc tiles
+    # + document tiles and poison flags
+    per_wg = ROWS * (dqk + out_cols * jnp.dtype(out_dtype).itemsize + 12) + 2 * 128
     per_stage = BLOCK * (dqk + dv) + 2 * ROWS * 4 + 2 * BLOCK * 4  # + the aux row
     return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
 
@@ -195,6 +232,7 @@ def forward(
     k8,
     vt8,
     kv_aux,
+    kv_flags,
     q_seg=None,
     kv_seg=None,
     *,
@@ -215,6 +253,8 @@ def forward(
       kv_aux: [B, Hkv, Sp / 128, 256] f32, per key block: K's and V's decode factors, each
         repeated over 64 rows, then the keys' poison (NaN for a key whose K or V row was not
         finite, else 0): one copy per tile.
+      kv_flags: [B, Hkv, FLAG_WORDS] int32 (:func:`poison_flags` of the bad keys): 1 where
+        a (batch, kv head) has a bad key.
       q_seg [B, Tp], kv_seg [B, Sp]: int32 segment ids (only when ``mask.segments``).
       out_cols: O columns per shared-memory store (a divisor of Dv of 128-byte rows);
         default :func:`stages_and_out_cols`'s choice.
@@ -245,7 +285,7 @@ def forward(
 
     documents = mask.segments and doc_tiles is not None
 
-    def kernel(q_ref, qinv_ref, k_ref, vt_ref, kvinv_ref, *rest):
+    def kernel(q_ref, qinv_ref, k_ref, vt_ref, kvinv_ref, flags_ref, *rest):
         rest = list(rest)
         qseg_ref, kvseg_ref = (rest.pop(0), rest.pop(0)) if mask.segments else (None, None)
         tiles_ref = rest.pop(0) if documents else None
@@ -263,6 +303,7 @@ def forward(
             kseg_smem,
             p_smem2,
             tiles_smem2,
+            flags_smem2,
         ) = smem
         q_bars, k_bars, v_bars, aux_bars, k_free, v_free, schedule = barriers
         batch, head = lax.axis_index("batch"), lax.axis_index("heads")
@@ -301,6 +342,9 @@ def forward(
                 )
                 plgpu.barrier_wait(q_bars.at[3 * WARPGROUPS + wg])
             lo, hi = cta_range(tiles if documents else None, cta_steps)
+            clean = clean_columns(
+                flags_ref, batch, kv_head, flags_smem2.at[wg], q_bars.at[4 * WARPGROUPS + wg]
+            )
             plgpu.barrier_wait(q_bars.at[WARPGROUPS + wg])
             row_scale = plgpu.load(qinv_smem2.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1)) * c
             plgpu.barrier_wait(q_bars.at[wg])
@@ -313,7 +357,7 @@ def forward(
                 full = mask.s // BLOCK
             if mask.segments:
                 full = jnp.zeros_like(steps)
-            full = jnp.minimum(full, steps)
+            full = clean_bounds(clean, jnp.minimum(full, steps))
             # this warpgroup's key tiles: [lo, steps); then it releases [steps, hi)
             steps = jnp.maximum(jnp.minimum(steps, hi), lo)
 
@@ -345,9 +389,11 @@ def forward(
                 inv_v = plgpu.load(
                     aux.at[pl.ds(ROWS, ROWS)], (), layout=plgpu.Layout.WGMMA.reduce(1)
                 )
-                k_poison = plgpu.load(
-                    aux.at[pl.ds(2 * ROWS, BLOCK)], (), layout=plgpu.Layout.WGMMA.reduce(0)
-                )
+                k_poison = None
+                if masked:  # (only masked steps add the keys' poison)
+                    k_poison = plgpu.load(
+                        aux.at[pl.ds(2 * ROWS, BLOCK)], (), layout=plgpu.Layout.WGMMA.reduce(0)
+                    )
                 if mask.segments:  # every step waits for its slot's ids: the barrier
                     # phases stay paired with the producer's loads (document tiles' unmasked
                     # steps read no ids)
@@ -357,8 +403,8 @@ def forward(
                             kseg_smem.at[slot], (), layout=plgpu.Layout.WGMMA.reduce(0)
                         )
                 plgpu.barrier_arrive(k_free.at[slot])
-                s = s * lax.broadcast_in_dim(row_scale * inv_k, s.shape, [0])
-                s = s + lax.broadcast_in_dim(k_poison, s.shape, [1])
+                factor = row_scale * inv_k  # > 0, or NaN for a bad query row
+                s_seen = s  # the raw scores the row max runs over
                 if masked:
                     q_pos = row0 + plgpu.broadcasted_iota(
                         jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA
@@ -374,12 +420,18 @@ def forward(
                             lax.broadcast_in_dim(q_seg, s.shape, [0])
                             == lax.broadcast_in_dim(k_seg, s.shape, [1])
                         )
-                    s = jnp.where(valid, s, -jnp.inf)
-
-                m_new = jnp.maximum(m, s.max(axis=1))
+                    s_seen = jnp.where(valid, s, -jnp.inf)
+                # max_j S2_ij = f_i max_j S_ij bit for bit (f_i > 0 and rounding is
+                # monotone), so S2 - m' + 8 is one multiply-add per score
+                m_new = jnp.maximum(m, s_seen.max(axis=1) * factor)
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # rows with no key yet
+                s2 = s * lax.broadcast_in_dim(factor, s.shape, [0])
+                s2 = s2 - lax.broadcast_in_dim(m_safe - P_EXPONENT, s.shape, [0])
+                if masked:  # the keys' poison (a CTA with a bad key runs every step masked)
+                    s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
+                    s2 = jnp.where(valid, s2, -jnp.inf)
+                p = jnp.exp2(s2)
                 alpha = jnp.exp2(m - m_safe)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_safe - P_EXPONENT, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 # acc holds O's numerator in units of u (the last V decode factor): rescale
                 # by alpha u / inv_v_j (powers of two apart from alpha), then add P^ V8_j.
@@ -418,7 +470,8 @@ def forward(
 
             carry = (acc, m, l, jnp.ones_like(l))
             if documents:  # masked, unmasked (inside the document), masked
-                acc, m, l, u = document_loops(step, (lo, tiles[0], tiles[1], steps), carry)
+                bounds = clean_bounds(clean, None, (lo, tiles[0], tiles[1], steps))
+                acc, m, l, u = document_loops(step, bounds, carry)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
                 acc, m, l, u = lax.fori_loop(
@@ -456,7 +509,7 @@ def forward(
             plgpu.set_max_registers(40, action="decrease")
 
             # this CTA's key tiles (with document tiles: its row's lo and hi)
-            row = producer_row(tiles_ref, batch, q_tile, tiles_smem2, q_bars.at[4 * WARPGROUPS])
+            row = producer_row(tiles_ref, batch, q_tile, tiles_smem2, q_bars.at[5 * WARPGROUPS])
             lo, hi = cta_range(row, cta_steps)
 
             def load_k(j, slot):  # K, and the factors and segments read with S
@@ -522,10 +575,12 @@ def forward(
             plgpu.SMEM((WARPGROUPS, ROWS, BLOCK), jnp.float8_e4m3fn) if interpret else None,
             # document tiles: each consumer's row, and the producer's copy of the first
             plgpu.SMEM((WARPGROUPS + 1, doc_tiles.shape[-1]), jnp.int32) if documents else None,
+            plgpu.SMEM((WARPGROUPS, FLAG_WORDS), jnp.int32),  # the keys' poison flag
         )
         barriers = (
-            # Q, its decode factors, its segments, its document tiles (+ the producer's row)
-            plgpu.Barrier(num_barriers=4 * WARPGROUPS + 1),
+            # Q, its decode factors, its segments, its document tiles, the poison flag (+ the
+            # producer's row)
+            plgpu.Barrier(num_barriers=5 * WARPGROUPS + 1),
             plgpu.Barrier(num_barriers=stages),  # K
             plgpu.Barrier(num_barriers=stages),  # V^T
             # K's and V's decode factors with the keys' poison [stages], then the key segment
@@ -538,7 +593,7 @@ def forward(
         )
         pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers, collective_axes="wg")
 
-    args = [q8, q_inv, k8, vt8, kv_aux]
+    args = [q8, q_inv, k8, vt8, kv_aux, kv_flags]
     if mask.segments:
         args += [q_seg, kv_seg]
     if documents:

@@ -44,12 +44,15 @@ def quantize_operands(q, k, v, config: MosaicConfig, interpret: bool = False, sh
 
 def _kernel_operands(q8, k8, v8):
     """The forward kernel's arguments from the quantized operands: a bad query row gets NaN
-    in its decode factor, a bad key (K or V row) NaN in its poison."""
+    in its decode factor, a bad key (K or V row) NaN in its poison and its (batch, kv head)
+    a poison flag."""
     b, hkv, sp = k8.nonfinite.shape
-    k_poison = numerics.poison(k8.nonfinite | v8.nonfinite).reshape(b, hkv, sp // 128, 128)
+    bad_keys = k8.nonfinite | v8.nonfinite
+    k_poison = numerics.poison(bad_keys).reshape(b, hkv, sp // 128, 128)
     kv_aux = jnp.concatenate([k8.inv_rows, v8.inv_rows, k_poison], axis=3)  # [.., 256]
     q_inv = q8.inv_tokens + numerics.poison(q8.nonfinite)
-    return q8.values, q_inv, k8.values, v8.values_t, kv_aux
+    kv_flags = fwd_kernel.poison_flags(bad_keys)
+    return q8.values, q_inv, k8.values, v8.values_t, kv_aux, kv_flags
 
 
 def forward(
