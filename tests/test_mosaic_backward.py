@@ -881,3 +881,23 @@ def test_poison_flags_mark_the_kv_heads_with_a_bad_token():
     bounds = forward.clean_bounds(dirty, None, (1, 3, 6, 9))
     assert [int(x) for x in bounds] == [1, 9, 9, 9]  # all steps in the first masked loop
     assert [int(x) for x in forward.clean_bounds(clean, None, (1, 3, 6, 9))] == [1, 3, 6, 9]
+
+
+def test_ds_range_flags_mark_heads_whose_ds_could_overflow():
+    """Only heads whose dO and V decode factors (or |delta|) come near the f32 range keep
+    the Inf code in their dS^ cast (every step masked); ordinary inputs never do."""
+    import types
+
+    b, hq, hkv, tp = 1, 4, 2, 128
+    inv_do = jnp.full((b, hq, tp), 2.0**-20).at[0, 3, 5].set(2.0**94)  # kv head 1
+    inv_v = jnp.full((b, hkv, tp), 2.0**3)
+    rows = jnp.zeros((b, hq, tp // 64, 5, 64))
+    ops_ = types.SimpleNamespace(
+        do8=types.SimpleNamespace(inv_tokens=inv_do), v8=types.SimpleNamespace(inv_tokens=inv_v)
+    )
+    flags = backward_ops.ds_range_flags(ops_, rows)
+    assert np.array_equal(flags[..., 0], [[0, 1]])  # 2^94 2^3 >= DS_FACTOR_BOUND
+    huge_delta = rows.at[0, 0, 1, 1, 7].set(-(2.0**125))  # kv head 0
+    assert np.array_equal(backward_ops.ds_range_flags(ops_, huge_delta)[..., 0], [[1, 1]])
+    ops_.do8.inv_tokens = jnp.full((b, hq, tp), 2.0**-20)
+    assert not bool(jnp.any(backward_ops.ds_range_flags(ops_, rows)))

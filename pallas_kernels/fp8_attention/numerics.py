@@ -114,6 +114,13 @@ def quantize_by_own_amax(x, scale, dtype=FP8_DTYPE):
     return (y + y * jnp.float32(0.0)).astype(dtype)
 
 
+def quantize_finite_by_own_amax(x, scale, dtype=FP8_DTYPE):
+    """``quantize_by_own_amax`` for a tile known to hold no Inf (finite values, or NaN where
+    a poisoned pair is): the plain cast, one multiply-add per element fewer. Bitwise the
+    same there: the cast keeps NaN, and no finite ``x * scale`` exceeds the format's max."""
+    return (x.astype(jnp.float32) * scale).astype(dtype)
+
+
 def nonfinite_tokens(x_BHTD):
     """[B, H, T] bool: the token's row (over the head dim) holds a NaN or an Inf."""
     return jnp.any(~jnp.isfinite(x_BHTD), axis=-1)

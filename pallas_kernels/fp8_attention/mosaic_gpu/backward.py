@@ -11,7 +11,8 @@ Both kinds of pass recompute, per (64 queries x 64 keys) tile, in log2 units
 exactly the visible pairs. The row's poison rides in its factor; the column's is added on
 masked steps only, and a CTA with a bad token on its column side (keys in the query pass,
 queries in the key pass: :func:`.forward.poison_flags`) takes every step masked. So an
-unmasked step forms S2 - lse2 in one multiply-add per score: the same values.) The matched
+unmasked step forms S2 - lse2 in one multiply-add per score: the same values. Its dS^ cast
+also drops the Inf code, where no dS of the CTA can overflow, by the same flags.) The matched
 delta sums P_ij (dO8 V8^T)_ij and applies dP^'s factor to the tile's row sums: a power of
 two, so the same bits as summing P_ij dP^_ij. The 64 x 64 tile is the contract's dS scale tile
 (``NumericsTiles.ds_tile``); the amax runs over each row of the accumulator (``ds_rows``,
@@ -137,14 +138,17 @@ def _finite_row_amax(x):
     return lax.bitcast_convert_type(bits.astype(jnp.uint32), F32)
 
 
-def _quantize_ds(ds, scratch, interpret: bool, rows: bool = False):
+def _quantize_ds(ds, scratch, interpret: bool, rows: bool = False, encode: bool = True):
     """dS tile -> (dS^ e4m3, its finite amax as a [64] row vector): one power-of-two scale
     per tile, or with ``rows`` one per row of the tile (no cross-warp reduction: a row lies
-    in one warp's quad of threads). NaN and Inf do not poison it."""
+    in one warp's quad of threads). NaN and Inf do not poison it. ``encode``: Inf is cast
+    to NaN (an FFMA per element); off where the tile cannot hold Inf (unmasked steps of a
+    CTA without a flag: :func:`.backward_ops.ds_range_flags`), the same bits."""
     amax = _finite_row_amax(ds)
     if not rows:
         amax = _row_max(amax, scratch, interpret)
-    return numerics.quantize_by_own_amax(ds, _scale(amax, ds.shape)), amax
+    quantize = numerics.quantize_by_own_amax if encode else numerics.quantize_finite_by_own_amax
+    return quantize(ds, _scale(amax, ds.shape)), amax
 
 
 def _rows(vec, shape):
@@ -435,8 +439,9 @@ def query_pass(
       k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv]: e4m3.
       kv_aux [B, Hkv, Sp / 64, 3, 64] f32, per 64-key tile: K's and V's decode factors
         (repeated) and the keys' poison (NaN for a key whose K or V row was not finite).
-      kv_flags [B, Hkv, FLAG_WORDS] int32 (:func:`.forward.poison_flags` of the bad keys):
-        where set, every step adds the keys' poison (the masked path).
+      kv_flags [B, Hkv, FLAG_WORDS] int32 (:func:`.forward.poison_flags` of the bad keys,
+        for dQ joined by :func:`.backward_ops.ds_range_flags`): where set, every step takes
+        the masked path, which adds the keys' poison and casts dS^ with its Inf code.
       kt8 [B, Hkv, Dqk, Sp]: the permuted K-major copy of K (``want="dq"`` only).
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
       key_tile: keys per step, 64 or 128 (one K and one V scale block per step). For
@@ -588,7 +593,7 @@ def query_pass(
                     return carry + dp_factor * (p * dp).sum(axis=1)
                 dp = dp * _rows(dp_factor, dp.shape)
                 ds = p * (dp - _rows(delta, p.shape))
-                ds8, amax = _quantize_ds(ds, red_smem2.at[wg], interpret, ds_rows)
+                ds8, amax = _quantize_ds(ds, red_smem2.at[wg], interpret, ds_rows, masked)
                 # (ds8 stays for the statistics: the operand is its regrouped copy)
                 a8, amax, carry = turns.arrive((to_operand(ds8), amax, carry))
                 plgpu.barrier_wait(kt_bars.at[slot])
@@ -767,8 +772,9 @@ def key_pass(
       k8 [B, Hkv, Sp, Dqk], v8 [B, Hkv, Sp, Dv] e4m3; kv_aux [B, Hkv, Sp / 64, 3, 64] f32
         as in :func:`query_pass`.
       q_flags [B, Hkv, FLAG_WORDS] int32 (:func:`.forward.poison_flags` of the poisoned
-        queries of each kv head's query heads): where set, every step adds the queries'
-        poison (the masked path).
+        queries of each kv head's query heads, joined by
+        :func:`.backward_ops.ds_range_flags`): where set, every step takes the masked path,
+        which adds the queries' poison and casts dS^T with its Inf code.
       q_seg [B, Tp], kv_seg [B, Sp] int32 (only when ``mask.segments``).
       pingpong: the consumer warpgroups take turns on the tensor cores (module docstring).
       dk_cols, dv_cols: (first, count): the columns of dK and of dV this launch forms
@@ -929,7 +935,7 @@ def key_pass(
                     delta = plgpu.load(rows.at[1], (), layout=COL)
                     dpt = dpt[0] * _rows(inv_do * inv_v, pt.shape)
                     dst = pt * (dpt - lax.broadcast_in_dim(delta, pt.shape, [1]))
-                    ds8t, amax = _quantize_ds(dst, red_smem2.at[wg], interpret, ds_rows)
+                    ds8t, amax = _quantize_ds(dst, red_smem2.at[wg], interpret, ds_rows, masked)
                     ds8 = to_operand(ds8t)
                 if not early_p:
                     p8 = p_operand(pt)

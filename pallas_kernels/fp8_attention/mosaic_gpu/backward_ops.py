@@ -218,7 +218,32 @@ def query_flags(rows, hkv: int):
     return poison_flags(bad_queries, hq // hkv)
 
 
-def _query_pass(ops: Operands, rows, **kwargs):
+# dS = P (dP^ - delta) with |dP^| <= Dv 448^2 inv_do inv_v (e4m3's max; Dv <= 2^8): below
+# these bounds on inv_do inv_v and |delta| every |dS| stays under 2^126, so no dS is Inf
+DS_FACTOR_BOUND = 2.0**96
+DS_DELTA_BOUND = 2.0**124
+
+
+def ds_range_flags(ops: Operands, rows):
+    """[B, Hkv, FLAG_WORDS] int32: 1 where a (batch, kv head)'s dS could overflow to Inf
+    (the largest dO and V decode factors of its heads past DS_FACTOR_BOUND, or a |delta|
+    past DS_DELTA_BOUND: only inputs near the f32 range). Such CTAs run every step masked,
+    whose dS^ cast turns Inf into NaN; the others cast without that code."""
+    hkv = ops.v8.inv_tokens.shape[1]
+    b, hq, tp = ops.do8.inv_tokens.shape
+
+    def per_kv_head(x_BHT):
+        return jnp.max(x_BHT.reshape(b, hkv, -1), axis=-1)
+
+    inv_do = per_kv_head(ops.do8.inv_tokens)
+    delta = per_kv_head(jnp.abs(rows[:, :, :, 1]).reshape(b, hq, tp))
+    risky = (inv_do * jnp.max(ops.v8.inv_tokens, axis=-1) >= DS_FACTOR_BOUND) | (
+        delta >= DS_DELTA_BOUND
+    )
+    return poison_flags(risky[..., None])
+
+
+def _query_pass(ops: Operands, rows, flags=None, **kwargs):
     kt = ops.k8.values_t if kwargs["want"] == "dq" else None
     tiles = None if ops.doc_tiles is None else ops.doc_tiles[kwargs["want"]]
     q8, do8, k8, v8 = ops.q8.values, ops.do8.values, ops.k8.values, ops.v8.values
@@ -229,7 +254,7 @@ def _query_pass(ops: Operands, rows, **kwargs):
         k8,
         v8,
         ops.kv_aux,
-        ops.kv_flags,
+        ops.kv_flags if flags is None else flags,
         kt,
         *ops.segments,
         longest_first=ops.longest_first,
@@ -273,6 +298,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
         and kernels.dq_in_key_pass_fits(dqk, dv_dim, kv_dtype)
     )
     dq = stats = dk = dv = None
+    range_flags = ds_range_flags(ops, rows)  # dS^'s Inf code where dS could overflow
     if "dq" in passes and not dq_from_keys:
         parts = []
         for n, cols in enumerate(kernels.query_pass_launches(dqk, ops.wide_launches)):
@@ -280,6 +306,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
             part = _query_pass(
                 ops,
                 rows,
+                jnp.maximum(ops.kv_flags, range_flags),
                 want="dq",
                 out_dtype=q_dtype,
                 with_stats=stats_here,
@@ -290,7 +317,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
             parts.append(part)
         dq = _concat(parts)
     if "dkdv" in passes:
-        q_flags = query_flags(rows, ops.k8.values.shape[1])
+        q_flags = jnp.maximum(query_flags(rows, ops.k8.values.shape[1]), range_flags)
         dk_parts, dv_parts, dq_parts = [], [], []
         wide = "per_chunk" if dq_from_keys else ops.wide_launches
         for dk_cols, dv_cols in kernels.key_pass_launches(dqk, dv_dim, wide):
