@@ -877,10 +877,10 @@ def test_poison_flags_mark_the_kv_heads_with_a_bad_token():
     keys = forward.poison_flags(jnp.zeros((b, hkv, 256), bool).at[0, 0, 255].set(True))
     assert np.array_equal(keys[..., 0], [[1, 0], [0, 0]])
     clean, dirty = jnp.bool_(True), jnp.bool_(False)
-    assert int(forward.clean_bounds(clean, 5)) == 5 and int(forward.clean_bounds(dirty, 5)) == 0
-    bounds = forward.clean_bounds(dirty, None, (1, 3, 6, 9))
+    assert int(forward.clean_full(clean, 5)) == 5 and int(forward.clean_full(dirty, 5)) == 0
+    bounds = forward.clean_document_bounds(dirty, (1, 3, 6, 9))
     assert [int(x) for x in bounds] == [1, 9, 9, 9]  # all steps in the first masked loop
-    assert [int(x) for x in forward.clean_bounds(clean, None, (1, 3, 6, 9))] == [1, 3, 6, 9]
+    assert [int(x) for x in forward.clean_document_bounds(clean, (1, 3, 6, 9))] == [1, 3, 6, 9]
 
 
 def test_ds_range_flags_mark_heads_whose_ds_could_overflow():

@@ -58,8 +58,9 @@ from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
     SMEM_BYTES,
     WARPGROUPS,
     ForwardMask,
-    clean_bounds,
     clean_columns,
+    clean_document_bounds,
+    clean_full,
     cta_range,
     document_loops,
     fitting,
@@ -551,7 +552,7 @@ def query_pass(
             clean = clean_columns(
                 flags_ref, batch, kv_head, flags_smem2.at[wg], q_bars.at[5 * WARPGROUPS + wg]
             )
-            full = clean_bounds(clean, full)  # a bad key: every step masked
+            full = clean_full(clean, full)  # a bad key: every step masked
             # this warpgroup's key tiles: [lo, steps); then it releases [steps, hi)
             lo, hi = cta_range(tiles_smem2.at[wg] if documents else None, cta_steps)
             steps = jnp.maximum(jnp.minimum(steps, hi), lo)
@@ -573,7 +574,6 @@ def query_pass(
                     if masked:
                         k_poison = plgpu.load(kvinv_smem.at[slot, 2], (), layout=COL)
                         s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
-                    if masked:
                         k_seg = None
                         if mask.segments:
                             k_seg = plgpu.load(kseg_smem.at[slot], (), layout=COL)
@@ -619,7 +619,7 @@ def query_pass(
             turns.start()
             if documents:  # masked, unmasked (inside the document), masked
                 bounds = (lo, tiles_smem2.at[wg][0], tiles_smem2.at[wg][1], steps)
-                bounds = clean_bounds(clean, None, bounds)
+                bounds = clean_document_bounds(clean, bounds)
                 carry = document_loops(step, bounds, init)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
@@ -918,7 +918,6 @@ def key_pass(
                     if masked:
                         q_poison = plgpu.load(rows.at[4], (), layout=COL)
                         s2 = s2 + lax.broadcast_in_dim(q_poison, st.shape, [1])
-                    if masked:
                         q_seg = None
                         if mask.segments:
                             q_seg = plgpu.load(qseg_smem.at[slot], (), layout=COL)
@@ -981,7 +980,7 @@ def key_pass(
                 lo = g * per_head
                 if documents:  # masked, unmasked (inside the document), masked
                     bounds = (lo, lo + doc_lo, lo + doc_hi, lo + per_head)
-                    return document_loops(step, clean_bounds(clean, None, bounds), carry)
+                    return document_loops(step, clean_document_bounds(clean, bounds), carry)
                 if every_tile:
                     mid = lo + per_head
                 elif mask.causal:

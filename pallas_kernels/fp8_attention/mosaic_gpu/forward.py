@@ -186,11 +186,14 @@ def clean_columns(flags_ref, batch, head, flag_smem, barrier):
     return flag_smem[0] == 0
 
 
-def clean_bounds(clean, full, bounds=None):
-    """``full`` (the unmasked steps [0, full)), or with ``bounds`` (document_loops' four
-    bounds) those bounds, narrowed to no unmasked step where ``clean`` is False."""
-    if bounds is None:
-        return jnp.where(clean, full, 0)
+def clean_full(clean, full):
+    """The end of the unmasked steps [0, full): ``full``, or 0 where ``clean`` is False."""
+    return jnp.where(clean, full, 0)
+
+
+def clean_document_bounds(clean, bounds):
+    """document_loops' four bounds, or where ``clean`` is False bounds with no unmasked
+    step (every step in the first masked loop)."""
     first, mid0, mid1, last = bounds
     return first, jnp.where(clean, mid0, last), jnp.where(clean, mid1, last), last
 
@@ -357,7 +360,7 @@ def forward(
                 full = mask.s // BLOCK
             if mask.segments:
                 full = jnp.zeros_like(steps)
-            full = clean_bounds(clean, jnp.minimum(full, steps))
+            full = clean_full(clean, jnp.minimum(full, steps))
             # this warpgroup's key tiles: [lo, steps); then it releases [steps, hi)
             steps = jnp.maximum(jnp.minimum(steps, hi), lo)
 
@@ -470,7 +473,7 @@ def forward(
 
             carry = (acc, m, l, jnp.ones_like(l))
             if documents:  # masked, unmasked (inside the document), masked
-                bounds = clean_bounds(clean, None, (lo, tiles[0], tiles[1], steps))
+                bounds = clean_document_bounds(clean, (lo, tiles[0], tiles[1], steps))
                 acc, m, l, u = document_loops(step, bounds, carry)
             else:
                 carry = lax.fori_loop(0, full, functools.partial(step, masked=False), carry)
