@@ -408,27 +408,22 @@ def forward(
                 plgpu.barrier_arrive(k_free.at[slot])
                 factor = row_scale * inv_k  # > 0, or NaN for a bad query row
                 s_seen = s  # the raw scores the row max runs over
-                valid = None
                 if masked:
-                    # a key length equal to the padded one holds every key: no compare
-                    # (fewer ops and registers on the causal diagonal; the same values)
-                    tests = []
+                    q_pos = row0 + plgpu.broadcasted_iota(
+                        jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA
+                    )
                     k_pos = j * BLOCK + plgpu.broadcasted_iota(
                         jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA
                     )
-                    if mask.s != sp:
-                        tests.append(k_pos < mask.s)
+                    valid = k_pos < mask.s
                     if mask.causal:
-                        q_pos = row0 + plgpu.broadcasted_iota(
-                            jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA
-                        )
-                        tests.append(q_pos >= k_pos)
+                        valid = valid & (q_pos >= k_pos)
                     if mask.segments:
-                        q_ids = lax.broadcast_in_dim(q_seg, s.shape, [0])
-                        tests.append(q_ids == lax.broadcast_in_dim(k_seg, s.shape, [1]))
-                    if tests:  # (none: a step masked for the keys' poison only)
-                        valid = functools.reduce(jnp.logical_and, tests)
-                        s_seen = jnp.where(valid, s, -jnp.inf)
+                        valid = valid & (
+                            lax.broadcast_in_dim(q_seg, s.shape, [0])
+                            == lax.broadcast_in_dim(k_seg, s.shape, [1])
+                        )
+                    s_seen = jnp.where(valid, s, -jnp.inf)
                 # max_j S2_ij = f_i max_j S_ij bit for bit (f_i > 0 and rounding is
                 # monotone), so S2 - m' + 8 is one multiply-add per score
                 m_new = jnp.maximum(m, s_seen.max(axis=1) * factor)
@@ -437,8 +432,7 @@ def forward(
                 s2 = s2 - lax.broadcast_in_dim(m_safe - P_EXPONENT, s.shape, [0])
                 if masked:  # the keys' poison (a CTA with a bad key runs every step masked)
                     s2 = s2 + lax.broadcast_in_dim(k_poison, s.shape, [1])
-                    if valid is not None:
-                        s2 = jnp.where(valid, s2, -jnp.inf)
+                    s2 = jnp.where(valid, s2, -jnp.inf)
                 p = jnp.exp2(s2)
                 alpha = jnp.exp2(m - m_safe)
                 l = l * alpha + p.sum(axis=1)
