@@ -46,6 +46,11 @@ BACKWARD_VARIANTS = {  # arm suffix -> (MosaicConfig fields, NumericsTiles field
     # dQ's dS^ scaled per query over 128 keys: the dQ pass steps 128 keys (dK's per-key
     # scales stay over 64 queries)
     "dq128": ({}, dict(bwd_block_k=128)),
+    # the backward's register dots chained two in flight (bitwise the default)
+    "chained": (dict(backward_chained_dots=True), {}),
+    # the key pass's S^T (and dP^T) A operand from registers (bitwise the default)
+    "kregs": (dict(backward_key_registers="k"), {}),
+    "chained_kregs": (dict(backward_chained_dots=True, backward_key_registers="k"), {}),
 }
 
 

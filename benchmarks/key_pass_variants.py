@@ -31,6 +31,17 @@ by the compiler on the same stream) falls under its variant. Variants:
   (arm suffix ``_dq128`` in ``benchmarks/attention.py``). ``dq128_pieces64``: the same with
   the backward's dots in 64-column pieces (fewer live registers beside dQ's accumulator).
   The default at head dims up to 128 since 2026-12-07; ``dq64``: the 64 x 64 tiles of before.
+- ``chained``: each step's register dots (dV's and dK's in the key pass, dQ's in the dQ
+  pass) as one chain of 64-column pieces, two in flight, each piece's adds under the next
+  piece's dot (``MosaicConfig(backward_chained_dots=True)``). Bitwise the same.
+- ``kregs`` / ``kvregs``: the key pass's S^T dot (and dP^T's) takes K (and V) from
+  registers, loaded once per CTA (``MosaicConfig(backward_key_registers="k" / "kv")``).
+  Bitwise the same. ``chained_kregs``, ``chained_kvregs``: with ``chained``.
+- ``qregs`` / ``qdoregs``: the query passes' S dot (and dP^'s) takes Q (and dO) from
+  registers (``MosaicConfig(backward_query_registers="q" / "qdo")``). Bitwise the same.
+- ``regs240``: every warp-specialized kernel's consumers at 240 registers per thread and
+  its producer at 24 (``forward.CONSUMER_REGISTERS`` / ``PRODUCER_REGISTERS``; default 232
+  / 40). ``regs240_chained``, ``regs240_kregs``: with ``chained`` / ``kregs``.
 
 Per variant: microseconds per step by kernel kind (`benchmarks/layer_kernels.py`), and the
 largest difference of dQ, dK, dV from the default's. Writes key_pass_variants.json.
@@ -54,7 +65,7 @@ import dm_jax
 from benchmarks.attention import fwdbwd_step
 from benchmarks.layer_kernels import profile_arm
 from pallas_kernels.fp8_attention.arg_specs import BENCH_SHAPES
-from pallas_kernels.fp8_attention.mosaic_gpu import backward
+from pallas_kernels.fp8_attention.mosaic_gpu import backward, forward
 from pallas_kernels.fp8_attention.mosaic_gpu.config import MosaicConfig
 from pallas_kernels.fp8_attention.tiles import default_tiles
 
@@ -68,12 +79,16 @@ def masked_loops(step, bounds, carry):
 def patched(name: str):
     """The backward as variant ``name`` has it, for the block's traces."""
     original = backward.document_loops
+    registers = forward.CONSUMER_REGISTERS, forward.PRODUCER_REGISTERS
     if name == "masked_documents":
         backward.document_loops = masked_loops
+    if name.startswith("regs240"):  # every warp-specialized kernel, the forward's too
+        forward.CONSUMER_REGISTERS, forward.PRODUCER_REGISTERS = 240, 24
     try:
         yield
     finally:
         backward.document_loops = original
+        forward.CONSUMER_REGISTERS, forward.PRODUCER_REGISTERS = registers
 
 
 VARIANTS = {
@@ -88,6 +103,16 @@ VARIANTS = {
     "dq128": MosaicConfig(),
     "dq64": MosaicConfig(),
     "dq128_pieces64": MosaicConfig(backward_piece_columns=64),
+    "chained": MosaicConfig(backward_chained_dots=True),
+    "kregs": MosaicConfig(backward_key_registers="k"),
+    "kvregs": MosaicConfig(backward_key_registers="kv"),
+    "chained_kregs": MosaicConfig(backward_chained_dots=True, backward_key_registers="k"),
+    "chained_kvregs": MosaicConfig(backward_chained_dots=True, backward_key_registers="kv"),
+    "qregs": MosaicConfig(backward_query_registers="q"),
+    "qdoregs": MosaicConfig(backward_query_registers="qdo"),
+    "regs240": MosaicConfig(),
+    "regs240_chained": MosaicConfig(backward_chained_dots=True),
+    "regs240_kregs": MosaicConfig(backward_key_registers="k"),
 }
 # variants that change the numbers: NumericsTiles fields beside the head dims' defaults
 TILE_FIELDS = {

@@ -497,12 +497,12 @@ def test_shared_quantize_makes_the_forward_calls_the_backward_calls(monkeypatch)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
 
 
-def _backward_under(field, values, seed, t):
+def _backward_under(field, values, seed, t, d=64):
     """The interpret-mode forward and backward (with the dS statistics) of one causal GQA
     call with a ragged length, once per value of ``MosaicConfig.<field>``."""
     from pallas_kernels.fp8_attention.mosaic_gpu import ops
 
-    b, hq, hkv, d = 1, 2, 1, 64
+    b, hq, hkv = 1, 2, 1
     q, k, v, do = _gqa_inputs(seed, b, t, hq, hkv, d)
     spec = _spec(True, "matched", d)
     results = []
@@ -550,6 +550,28 @@ def test_early_p_and_tile_scales_lower_for_cuda(case):
     assert "wgmma.wait_group.sync.aligned 1;" not in default
     assert "wgmma.wait_group.sync.aligned 1;" in early
     _export_backward(case, ds_scale="tile", backward_early_p=True)
+
+
+@NEEDS_011
+@pytest.mark.parametrize("case", EARLY_P_LOWER_CASES[:2], ids=lambda c: "x".join(map(str, c)))
+def test_chained_dots_lower_for_cuda(case):
+    """``backward_chained_dots`` (each register dot's adds while the next piece's dot runs:
+    a ``wgmma.wait_group 1`` before each add but the last) lowers for CUDA."""
+    default = _export_backward(case, with_stats=False)
+    chained = _export_backward(case, with_stats=False, backward_chained_dots=True)
+    assert "wgmma.wait_group.sync.aligned 1;" not in default
+    assert "wgmma.wait_group.sync.aligned 1;" in chained
+
+
+@NEEDS_011
+@pytest.mark.parametrize("d", [64, 128])
+def test_chained_dots_are_bitwise_the_same(d):
+    """The register dots chained two in flight change when the adds run, not what they
+    add: delta, dQ, dK, dV and the dS row statistics bitwise equal (causal GQA, ragged
+    length; D=128 chains dQ's two 64-column pieces and dV's and dK's four; interpret
+    mode)."""
+    results = _backward_under("backward_chained_dots", (False, True), seed=11, t=136, d=d)
+    _assert_bitwise_equal(*results)
 
 
 @NEEDS_011
@@ -901,3 +923,25 @@ def test_ds_range_flags_mark_heads_whose_ds_could_overflow():
     assert np.array_equal(backward_ops.ds_range_flags(ops_, huge_delta)[..., 0], [[1, 1]])
     ops_.do8.inv_tokens = jnp.full((b, hq, tp), 2.0**-20)
     assert not bool(jnp.any(backward_ops.ds_range_flags(ops_, rows)))
+
+
+@NEEDS_011
+def test_passes_run_each_pass_as_the_backward_runs_it():
+    """``ops.passes`` (what benchmarks/passes.py and profile_mosaic.py time): every pass
+    jits on its own inputs with a non-default backward config (the config's static fields
+    stay out of the jitted arguments), and the dK/dV pass gives the backward's dK and dV
+    bit for bit (interpret mode)."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import ops
+
+    q, k, v, do = _gqa_inputs(13, 1, 128, 2, 1, 64)
+    spec = _spec(False, "matched", 64)
+    cfg = config.MosaicConfig(
+        fused_quantize=False, backward_chained_dots=True, backward_key_registers="k"
+    )
+    plan = ops.passes(q, k, v, do, spec=spec, config=cfg, interpret=True)
+    results = {name: jax.jit(p.fn)(*p.args) for name, p in plan.items()}
+    _, dk, dv, _ = results["dkdv_pass"]
+    out, lse = ops.forward(q, k, v, spec=spec, config=cfg, interpret=True)
+    full = ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True)
+    assert float(jnp.max(jnp.abs(full.dk))) > 0
+    assert bool(jnp.all(dk[:, :128] == full.dk)) and bool(jnp.all(dv[:, :128] == full.dv))

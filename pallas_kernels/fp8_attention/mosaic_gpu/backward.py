@@ -61,11 +61,13 @@ from pallas_kernels.fp8_attention.mosaic_gpu.forward import (
     clean_columns,
     clean_document_bounds,
     clean_full,
+    consumer_registers,
     cta_range,
     document_loops,
     fitting,
     fp8_transforms,
     out_transforms,
+    producer_registers,
     producer_row,
     query_tile,
     warp_specialized_call,
@@ -315,6 +317,49 @@ def _accumulate(accs, a8, bt_ref, factor, interpret, a_smem):
     return tuple(out)
 
 
+def _accumulate_chained(jobs, interpret, a_smems):
+    """:func:`_accumulate` for each job (accs, a8, bt_ref, factor) in turn, its pieces in
+    one chain with two dots in flight: piece n's f32 result is added while piece n + 1's
+    dot runs (``wgmma.wait_group 1``), so the adds hide under the tensor cores instead of
+    waiting for them. Every piece's dot and add are :func:`_accumulate`'s, so the sums
+    are bitwise the same; two fresh accumulators are live at a time (pieces of 64
+    columns hold what one 128-column piece does). In Pallas' GPU interpreter each job's
+    operand goes through its own ``a_smems[j]``."""
+    pieces = []
+    for j, (accs, a8, bt_ref, factor) in enumerate(jobs):
+        if interpret:
+            a_smems[j][...] = a8
+            a8 = a_smems[j]
+        lo = 0
+        for acc in accs:
+            width = acc.shape[1]
+            b_ref = bt_ref.at[pl.ds(lo, width)].T if len(accs) > 1 else bt_ref.T
+            pieces.append((acc, a8, b_ref, factor))
+            lo += width
+    if interpret:
+        plgpu.commit_smem()
+
+    def add(n, acc_ref, wait_n):
+        acc, _, _, factor = pieces[n]
+        part = plgpu.wgmma_accumulator_load(acc_ref, wait_n=wait_n)
+        return acc + part * factor(part.shape)
+
+    def issue(n, pending):  # pending: (piece, its accumulator) issued, not yet added
+        if n == len(pieces):
+            return (add(*pending, wait_n=0),)
+        acc, a8, b_ref, _ = pieces[n]
+
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, a8, b_ref)
+            done = () if pending is None else (add(*pending, wait_n=1),)
+            return done + issue(n + 1, (n, acc_ref))
+
+        return pl.run_scoped(body, plgpu.ACC(acc.shape, F32))
+
+    flat = list(issue(0, None))
+    return [tuple(flat.pop(0) for _ in accs) for accs, *_ in jobs]
+
+
 def _zero_pieces(cols: int, width):
     """Zeroed accumulators for ``cols`` columns, one per :func:`column_pieces` piece."""
     return tuple(
@@ -443,6 +488,8 @@ def query_pass(
     pieces=None,
     early_p: bool = False,
     ds_rows: bool = False,
+    chained: bool = False,
+    operand_registers: str = "",
 ):
     """The matched delta or dQ (and, ``with_stats``, the dS row statistics).
 
@@ -476,6 +523,11 @@ def query_pass(
         same values; :func:`_dots_first`).
       ds_rows: dS^ takes one scale per row of the tile (per query, over its 64 keys)
         instead of one per 64 x 64 tile (:func:`_quantize_ds`).
+      chained: dQ's pieces in one chain, each piece's adds while the next piece's dot
+        runs (:func:`_accumulate_chained`; the same bits).
+      operand_registers: ``"q"``: the S dot takes Q from registers (loaded once per CTA)
+        instead of shared memory; ``"qdo"``: the dP^ dot dO too; ``""``: neither. The same
+        products (GPU only; the interpreter reads shared memory).
     Returns:
       ``want="delta"``: delta [B, Hq, Tp] f32; ``want="dq"``: dQ [B, Tp, Hq, count] in
       ``out_dtype`` (the public layout), with ``with_stats`` also [B, Hq, 4, Tp] f32:
@@ -535,7 +587,7 @@ def query_pass(
 
         @pl.when(wg < WARPGROUPS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            consumer_registers()
             q_smem, do_smem, rows_smem = q_smem2.at[wg], do_smem2.at[wg], rows_smem2.at[wg]
             tile = q_tile * WARPGROUPS + wg
             row0 = tile * TILE
@@ -554,6 +606,13 @@ def query_pass(
             for n in range(len(copies)):
                 plgpu.barrier_wait(q_bars.at[n * WARPGROUPS + wg])
             lse2, delta, inv_q, inv_do, q_poison = (_row(rows_smem.at[n]) for n in range(ROWS))
+            # S's and dP^'s A operands: this warpgroup's Q and dO tiles from shared memory
+            # in every dot, or once into registers (as the key pass' K and V)
+            q_operand, do_operand = q_smem, do_smem
+            if operand_registers and not interpret:
+                q_operand = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
+                if operand_registers == "qdo":
+                    do_operand = plgpu.load(do_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
             q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
             loaded = [k_bars, v_bars, aux_bars] + [kt_bars] * want_dq
             loaded += [seg_bars] * mask.segments
@@ -593,7 +652,7 @@ def query_pass(
                     return jnp.exp2(s2)
 
                 p, dp = _dots_first(
-                    ((q_smem, k_smem.at[slot].T), (do_smem, v_smem.at[slot].T)),
+                    ((q_operand, k_smem.at[slot].T), (do_operand, v_smem.at[slot].T)),
                     shape,
                     probabilities,
                     turns.after_issue,
@@ -615,7 +674,11 @@ def query_pass(
                 def descale(shape):
                     return (sm_scale / _scale(amax, shape)) * _rows(inv_k, shape)
 
-                dq = _accumulate(carry[:n_dq], a8, kt_smem.at[slot], descale, interpret, a_smem)
+                if chained and n_dq > 1:  # piece n's adds under piece n + 1's dot
+                    job = (carry[:n_dq], a8, kt_smem.at[slot], descale)
+                    (dq,) = _accumulate_chained([job], interpret, [a_smem])
+                else:
+                    dq = _accumulate(carry[:n_dq], a8, kt_smem.at[slot], descale, interpret, a_smem)
                 plgpu.barrier_arrive(free.at[slot])
                 if not with_stats:
                     return dq
@@ -666,7 +729,7 @@ def query_pass(
 
         @pl.when(wg == WARPGROUPS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            producer_registers()
 
             def load(j, slot):
                 keys = pl.ds(j * key_tile, key_tile)
@@ -773,6 +836,8 @@ def key_pass(
     pieces=None,
     early_p: bool = False,
     ds_rows: bool = False,
+    chained: bool = False,
+    operand_registers: str = "",
 ):
     """dK and dV, summed over each kv head's query heads; with ``kt8`` also dQ's columns
     ``dk_cols``, added into an f32 dQ tile by tile (:func:`_reduce_dq`).
@@ -811,6 +876,12 @@ def key_pass(
         narrower pieces hold fewer registers beside dK and dV (SEGMENT_PIECES), the same bits.
       early_p, ds_rows: as in :func:`query_pass` (ds_rows: one dS^T scale per key, over the
         tile's 64 queries; not with ``kt8``, whose dQ dot contracts the keys).
+      chained: the dV and dK dots' pieces in one chain, each piece's adds while the next
+        piece's dot runs (:func:`_accumulate_chained`; the same bits); the step waits for
+        dO^T and Q^T before the first.
+      operand_registers: ``"k"``: the S^T dot takes K from registers (loaded once per CTA)
+        instead of shared memory; ``"kv"``: the dP^T dot V too; ``""``: both from shared
+        memory. The same products (GPU only; the interpreter reads shared memory).
     Returns:
       dK [B, Sp, Hkv, dk count], dV [B, Sp, Hkv, dv count] in ``out_dtype`` (the public
       layout), None for a count of 0; with ``kt8`` also dQ [B, Tp, Hq, dk count] f32.
@@ -878,7 +949,7 @@ def key_pass(
 
         @pl.when(wg < WARPGROUPS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            consumer_registers()
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             key0 = k_block * CTA_TOKENS + wg * TILE
             keys = pl.ds(key0, TILE)
@@ -902,6 +973,14 @@ def key_pass(
             )
             inv_k, inv_v = _row(kvinv_smem.at[wg, 0]), _row(kvinv_smem.at[wg, 1])
             k_poison = _row(kvinv_smem.at[wg, 2])
+            # S^T's and dP^T's A operands: this warpgroup's K and V tiles, read from shared
+            # memory by every dot, or once into registers (the 8-bit operand layout, the
+            # columns in order); the interpreter takes them from shared memory only
+            k_operand, v_operand = k_smem, v_smem
+            if operand_registers and not interpret:
+                k_operand = plgpu.load(k_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
+                if operand_registers == "kv" and want_dk:
+                    v_operand = plgpu.load(v_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
             first, per_head = query_range(tiles_smem2.at[wg] if documents else None)
 
@@ -913,9 +992,9 @@ def key_pass(
                 slot = lax.rem(n, stages)
                 head, i = locate(n, first, per_head)
                 _wait_all((q_bars, rows_bars) + (do_bars,) * want_dk, slot)
-                pairs = ((k_smem, q_smem.at[slot].T),)
+                pairs = ((k_operand, q_smem.at[slot].T),)
                 if want_dk:
-                    pairs += ((v_smem, do_smem.at[slot].T),)
+                    pairs += ((v_operand, do_smem.at[slot].T),)
                 rows = rows_smem.at[slot]
                 inv_q, inv_do = _row(rows.at[2]), _row(rows.at[3])
 
@@ -951,26 +1030,41 @@ def key_pass(
                 if not early_p:
                     p8 = p_operand(pt)
                 p8, ds8, amax, dk, dv_acc = turns.arrive((p8, ds8, amax, dk, dv_acc))
-                a_smem = a_smem2.at[wg] if interpret else None
+                a_smem = a_smem2.at[wg, 0] if interpret else None
                 if want_dv:
                     plgpu.barrier_wait(dot_bars.at[slot])
+                if chained and want_dk:  # both register dots' operands before either issues
+                    plgpu.barrier_wait(qt_bars.at[slot])
                 turns.wait()
-                if want_dv:
 
-                    def dv_scale(shape):
-                        return _rows(inv_do * (1.0 / numerics.P_SCALE), shape)
-
-                    dv_acc = _accumulate(dv_acc, p8, dot_smem.at[slot], dv_scale, interpret, a_smem)
-                if not want_dk:
-                    plgpu.barrier_arrive(free.at[slot])
-                    return dk, dv_acc
-                plgpu.barrier_wait(qt_bars.at[slot])
+                def dv_scale(shape):
+                    return _rows(inv_do * (1.0 / numerics.P_SCALE), shape)
 
                 def dk_scale(shape):  # dS^'s descale (for dK and dQ alike) and Q's
                     return (sm_scale / _scale(amax, shape)) * _rows(inv_q, shape)
 
-                dk = _accumulate(dk, ds8, qt_smem.at[slot], dk_scale, interpret, a_smem)
-                plgpu.barrier_arrive(free.at[slot])
+                if chained and want_dk and want_dv:  # dV's adds under dK's dots
+                    dv_acc, dk = _accumulate_chained(
+                        [
+                            (dv_acc, p8, dot_smem.at[slot], dv_scale),
+                            (dk, ds8, qt_smem.at[slot], dk_scale),
+                        ],
+                        interpret,
+                        [a_smem2.at[wg, 0], a_smem2.at[wg, 1]] if interpret else None,
+                    )
+                    plgpu.barrier_arrive(free.at[slot])
+                else:
+                    if want_dv:
+                        dv_acc = _accumulate(
+                            dv_acc, p8, dot_smem.at[slot], dv_scale, interpret, a_smem
+                        )
+                    if not want_dk:
+                        plgpu.barrier_arrive(free.at[slot])
+                        return dk, dv_acc
+                    if not chained:
+                        plgpu.barrier_wait(qt_bars.at[slot])
+                    dk = _accumulate(dk, ds8, qt_smem.at[slot], dk_scale, interpret, a_smem)
+                    plgpu.barrier_arrive(free.at[slot])
                 if want_dq:
                     shape = (TILE, ck)
                     descale = sm_scale / _scale(amax, shape)
@@ -1033,7 +1127,7 @@ def key_pass(
 
         @pl.when(wg == WARPGROUPS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            producer_registers()
 
             # this CTA's query tiles (with document tiles: its row's lo and hi)
             first, per_head = query_range(
@@ -1077,7 +1171,8 @@ def key_pass(
             plgpu.SMEM((WARPGROUPS, 3, TILE), F32),
             plgpu.SMEM((WARPGROUPS, TILE), jnp.int32) if segs else None,
             outs,
-            plgpu.SMEM((WARPGROUPS, TILE, TILE), fp8) if interpret else None,
+            # the interpreter's register operands (P^T and dS^T: both, chained)
+            plgpu.SMEM((WARPGROUPS, 2, TILE, TILE), fp8) if interpret else None,
             plgpu.SMEM((WARPGROUPS, REDUCTION_SCRATCH), F32),
             # document tiles: each consumer's row, and the producer's copy of the first
             plgpu.SMEM((WARPGROUPS + 1, doc_tiles.shape[-1]), jnp.int32) if documents else None,

@@ -97,6 +97,10 @@ class Operands(NamedTuple):
     # with segment ids and MosaicConfig.document_tiles: {loop: bounds rows} of the tiles
     # wholly inside a document (.documents): "delta" and "dq" (query passes), "keys"
     doc_tiles: Optional[dict] = None
+    # the key pass's S^T / dP^T A operands from registers ("k", "kv") or shared memory ("")
+    key_operand_registers: str = ""
+    # the query passes' S / dP^ A operands from registers ("q", "qdo") or shared memory ("")
+    query_operand_registers: str = ""
 
 
 def operands(
@@ -122,6 +126,9 @@ def operands(
     piece_columns=0,
     shared_quantize=False,
     early_p=False,
+    chained_dots=False,
+    key_operand_registers="",
+    query_operand_registers="",
 ):
     quantize = quantize_kernel.quantizer(fused_quantize, interpret, quantize_warps)
     q8, k8, v8 = quantize_all(quantize, q, k, v, shared_quantize)
@@ -149,8 +156,11 @@ def operands(
         stages=stages,
         interpret=interpret,
         pingpong=pingpong,
-        pieces=dot_pieces(piece_columns, bool(segments), spec.tiles.bwd_block_k),
+        pieces=dot_pieces(
+            piece_columns, bool(segments), spec.tiles.bwd_block_k, chained=chained_dots
+        ),
         early_p=early_p,
+        chained=chained_dots,
         ds_rows=spec.tiles.ds_scale == "rows",  # one dS^ scale per tile row, as the spec says
     )
     b, hkv = k8.inv_rows.shape[:2]
@@ -176,6 +186,8 @@ def operands(
         wide_launches,
         longest_first,
         doc_tiles,
+        key_operand_registers,
+        query_operand_registers,
     )
 
 
@@ -187,13 +199,17 @@ def quantize_all(quantize, q, k, v, shared: bool):
     return q8, k8, quantize(v, k_major=shared)
 
 
-def dot_pieces(piece_columns: int, segments: bool, dq_key_tile: int = kernels.TILE) -> int:
+def dot_pieces(
+    piece_columns: int, segments: bool, dq_key_tile: int = kernels.TILE, chained: bool = False
+) -> int:
     """Columns of each fresh dot in the backward passes: ``piece_columns``, or for 0 the
     measured choice, SEGMENT_PIECES with segment ids or with the dQ pass in 128-key steps
     (its [64, 128] dS tile beside dQ's accumulator spilled 1,120 bytes at 128 columns,
     causal, and 636 at 64, which ran the causal step's kernels 10% faster on an H100:
-    docs/mosaic_gpu.md, "The dQ pass in 128-key steps"), MAX_COLUMNS otherwise (never more)."""
-    narrow = segments or dq_key_tile != kernels.TILE
+    docs/mosaic_gpu.md, "The dQ pass in 128-key steps"), MAX_COLUMNS otherwise (never more).
+    ``chained`` (two dots in flight, :func:`.backward._accumulate_chained`): SEGMENT_PIECES,
+    so the two fresh accumulators hold what one 128-column one does."""
+    narrow = segments or chained or dq_key_tile != kernels.TILE
     auto = kernels.SEGMENT_PIECES if narrow else kernels.MAX_COLUMNS
     return min(piece_columns or auto, kernels.MAX_COLUMNS)
 
@@ -259,6 +275,7 @@ def _query_pass(ops: Operands, rows, flags=None, **kwargs):
         *ops.segments,
         longest_first=ops.longest_first,
         doc_tiles=tiles,
+        operand_registers=ops.query_operand_registers,
         **kwargs,
         **ops.kwargs,
     )
@@ -337,6 +354,7 @@ def gradients(ops: Operands, delta_p, out_dtypes, with_stats=False, passes=("dq"
                 dv_cols=dv_cols,
                 kt8=ops.k8.values_t if dq_from_keys else None,
                 doc_tiles=None if ops.doc_tiles is None else ops.doc_tiles["keys"],
+                operand_registers=ops.key_operand_registers,
                 **ops.kwargs,
             )
             dk_parts += [parts[0]] if parts[0] is not None else []

@@ -103,7 +103,24 @@ class MosaicConfig:
     The dS^ scales follow the call's ``NumericsTiles.ds_scale`` (one per tile row by
     default, which needs no cross-warp amax; or one per tile). dQ from the key pass
     (``backward_dq="key_pass"``) needs one per tile, its dQ dot contracting the keys:
-    with row scales the dQ pass runs instead."""
+    with row scales the dQ pass runs instead.
+    ``backward_chained_dots``: the register dots of each backward step (dV's and dK's in
+    the key pass, dQ's in the dQ pass) run as one chain of 64-column pieces with two in
+    flight, each piece's FP32 adds while the next piece's dot runs, instead of each dot
+    waited for before its adds. The results are bitwise the same (each piece's dot and
+    adds are unchanged). Off: on an H100 the key pass spilled 432 bytes and ran 15%
+    slower (21% causal), the dQ pass within noise (docs/mosaic_gpu.md, "Two dots in
+    flight").
+    ``backward_key_registers``: the key pass's S^T = K Q^T dot takes its A operand (the
+    warpgroup's 64 keys) from registers, loaded once per CTA, instead of reading it from
+    shared memory in every step (``"k"``; ``"kv"``: also V for dP^T = V dO^T; ``""``:
+    neither). At N = 64 queries an FP8 dot with both operands in shared memory reads
+    them as fast as the tensor cores use them, so this halves the dots' shared-memory
+    reads, for 16 registers a tile. The same products. Off: on an H100 ``"k"`` ran the
+    key pass 3-5% slower without more spills, ``"kv"`` 9-11% with 232 bytes of spills.
+    ``backward_query_registers``: the same for the query passes (matched delta and dQ):
+    ``"q"``: the S = Q K^T dot's Q from registers; ``"qdo"``: dP^ = dO V^T's dO too. Off:
+    2-9% slower on an H100 (``"qdo"`` spills 256 bytes, 1,076 causal)."""
 
     stages: int = 2
     fused_quantize: bool = True
@@ -121,6 +138,9 @@ class MosaicConfig:
     backward_piece_columns: int = 0
     shared_quantize: bool = True
     backward_early_p: bool = False
+    backward_chained_dots: bool = False
+    backward_key_registers: str = ""
+    backward_query_registers: str = ""
 
     def __post_init__(self):
         for name in ("stages", "backward_stages"):
@@ -142,6 +162,16 @@ class MosaicConfig:
             raise ValueError(
                 f"backward_piece_columns must be 0 (auto), 64 or 128, got "
                 f"{self.backward_piece_columns}"
+            )
+        if self.backward_key_registers not in ("", "k", "kv"):
+            raise ValueError(
+                f"backward_key_registers must be '', 'k' or 'kv', got "
+                f"{self.backward_key_registers!r}"
+            )
+        if self.backward_query_registers not in ("", "q", "qdo"):
+            raise ValueError(
+                f"backward_query_registers must be '', 'q' or 'qdo', got "
+                f"{self.backward_query_registers!r}"
             )
         if self.delta_key_tile not in (64, 128):
             raise ValueError(f"delta_key_tile must be 64 or 128, got {self.delta_key_tile}")

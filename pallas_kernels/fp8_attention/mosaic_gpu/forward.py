@@ -44,6 +44,11 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 P_EXPONENT = 8.0  # log2 of P's fixed scale 256
 WARPGROUPS = 2  # consumer warpgroups per CTA
+# registers per thread of a consumer and of the producer warpgroup (setmaxnreg): the CTA's
+# 384 threads start with 168 each (64,512 of the SM's 65,536), which 2 x 128 x 232 +
+# 128 x 40 fills; 240 / 24 (FlashAttention-3's split) fills it too
+CONSUMER_REGISTERS = 232
+PRODUCER_REGISTERS = 40
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,6 +213,16 @@ def smem_bytes(stages: int, dqk: int, dv: int, out_dtype, out_cols=None) -> int:
     return WARPGROUPS * per_wg + stages * per_stage + 4096  # + barriers, alignment (measured)
 
 
+def consumer_registers():
+    """A consumer warpgroup's register budget (the module's CONSUMER_REGISTERS, read at
+    trace time)."""
+    plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+
+
+def producer_registers():
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+
 def fitting(stages: int, smem) -> int:
     """The most stages <= ``stages`` for which ``smem(stages)`` bytes fit, at least 1."""
     while stages > 1 and smem(stages) > SMEM_BYTES:
@@ -324,7 +339,7 @@ def forward(
 
         @pl.when(wg < WARPGROUPS)
         def _consumer():
-            plgpu.set_max_registers(232, action="increase")
+            consumer_registers()
             q_smem, o_smem, lse_smem = q_smem2.at[wg], o_smem2.at[wg], lse_smem2.at[wg]
             row0 = q_tile * block_q + wg * ROWS
             rows = pl.ds(row0, ROWS)
@@ -509,7 +524,7 @@ def forward(
 
         @pl.when(wg == WARPGROUPS)
         def _producer():
-            plgpu.set_max_registers(40, action="decrease")
+            producer_registers()
 
             # this CTA's key tiles (with document tiles: its row's lo and hi)
             row = producer_row(tiles_ref, batch, q_tile, tiles_smem2, q_bars.at[5 * WARPGROUPS])

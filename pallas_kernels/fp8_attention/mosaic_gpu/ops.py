@@ -139,6 +139,9 @@ def _operands(q, k, v, lse, do, q_ids, kv_ids, spec, config: MosaicConfig, inter
         piece_columns=config.backward_piece_columns,
         shared_quantize=config.shared_quantize,
         early_p=config.backward_early_p,
+        chained_dots=config.backward_chained_dots,
+        key_operand_registers=config.backward_key_registers,
+        query_operand_registers=config.backward_query_registers,
     )
 
 
@@ -268,6 +271,8 @@ def _backward_passes(q, k, v, o, lse, do, spec, config, interpret) -> dict:
         dq_in_key_pass=ops.dq_in_key_pass,
         wide_launches=ops.wide_launches,
         longest_first=ops.longest_first,
+        key_operand_registers=ops.key_operand_registers,
+        query_operand_registers=ops.query_operand_registers,
     )
 
     def arrays_only(operands):  # a pass's arguments and results: arrays only
