@@ -40,8 +40,9 @@ by the compiler on the same stream) falls under its variant. Variants:
 - ``qregs`` / ``qdoregs``: the query passes' S dot (and dP^'s) takes Q (and dO) from
   registers (``MosaicConfig(backward_query_registers="q" / "qdo")``). Bitwise the same.
 - ``regs240``: every warp-specialized kernel's consumers at 240 registers per thread and
-  its producer at 24 (``forward.CONSUMER_REGISTERS`` / ``PRODUCER_REGISTERS``; default 232
-  / 40). ``regs240_chained``, ``regs240_kregs``: with ``chained`` / ``kregs``.
+  its producer at 24 (``forward.CONSUMER_REGISTERS`` / ``PRODUCER_REGISTERS``), the default
+  since 2026-12-07; ``regs232``: 232 / 40, the split before. ``regs240_chained``,
+  ``regs240_kregs``: with ``chained`` / ``kregs``.
 
 Per variant: microseconds per step by kernel kind (`benchmarks/layer_kernels.py`), and the
 largest difference of dQ, dK, dV from the default's. Writes key_pass_variants.json.
@@ -84,6 +85,8 @@ def patched(name: str):
         backward.document_loops = masked_loops
     if name.startswith("regs240"):  # every warp-specialized kernel, the forward's too
         forward.CONSUMER_REGISTERS, forward.PRODUCER_REGISTERS = 240, 24
+    if name == "regs232":  # the split until 2026-12-07
+        forward.CONSUMER_REGISTERS, forward.PRODUCER_REGISTERS = 232, 40
     try:
         yield
     finally:
@@ -111,6 +114,7 @@ VARIANTS = {
     "qregs": MosaicConfig(backward_query_registers="q"),
     "qdoregs": MosaicConfig(backward_query_registers="qdo"),
     "regs240": MosaicConfig(),
+    "regs232": MosaicConfig(),
     "regs240_chained": MosaicConfig(backward_chained_dots=True),
     "regs240_kregs": MosaicConfig(backward_key_registers="k"),
 }

@@ -945,3 +945,28 @@ def test_passes_run_each_pass_as_the_backward_runs_it():
     full = ops.backward(q, k, v, out, lse, do, spec=spec, config=cfg, interpret=True)
     assert float(jnp.max(jnp.abs(full.dk))) > 0
     assert bool(jnp.all(dk[:, :128] == full.dk)) and bool(jnp.all(dv[:, :128] == full.dv))
+
+
+def test_warpgroup_registers_fill_the_launch_allocation():
+    """The consumers' and the producer's setmaxnreg budgets (multiples of 8 in [24, 256])
+    fit the 168 registers per thread a 384-thread CTA gets at launch: setmaxnreg cannot
+    take more than the CTA holds."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward
+
+    consumer, producer = forward.CONSUMER_REGISTERS, forward.PRODUCER_REGISTERS
+    for n in (consumer, producer):
+        assert n % 8 == 0 and 24 <= n <= 256, n
+    threads = 128 * (forward.WARPGROUPS + 1)
+    at_launch = (65536 // threads) // 8 * 8
+    assert forward.WARPGROUPS * 128 * consumer + 128 * producer <= at_launch * threads
+
+
+@NEEDS_011
+def test_kernels_lower_with_the_module_registers():
+    """The backward's warp-specialized kernels ask for forward.CONSUMER_REGISTERS in their
+    consumers and PRODUCER_REGISTERS in their producer (CUDA lowering)."""
+    from pallas_kernels.fp8_attention.mosaic_gpu import forward
+
+    text = _export_backward(EARLY_P_LOWER_CASES[0], with_stats=False)
+    assert f"setmaxnreg.inc.sync.aligned.u32 {forward.CONSUMER_REGISTERS};" in text
+    assert f"setmaxnreg.dec.sync.aligned.u32 {forward.PRODUCER_REGISTERS};" in text

@@ -45,10 +45,12 @@ LN2 = math.log(2.0)
 P_EXPONENT = 8.0  # log2 of P's fixed scale 256
 WARPGROUPS = 2  # consumer warpgroups per CTA
 # registers per thread of a consumer and of the producer warpgroup (setmaxnreg): the CTA's
-# 384 threads start with 168 each (64,512 of the SM's 65,536), which 2 x 128 x 232 +
-# 128 x 40 fills; 240 / 24 (FlashAttention-3's split) fills it too
-CONSUMER_REGISTERS = 232
-PRODUCER_REGISTERS = 40
+# 384 threads start with 168 each (64,512 of the SM's 65,536), which 2 x 128 x 240 +
+# 128 x 24 fills (FlashAttention-3's split). Against 232 / 40 (the split until
+# 2026-12-07) it took the D=128 key pass 1,609 -> 1,531 us and all kernels of a fwd+bwd
+# 3,984 -> 3,876 us on an H100, bitwise the same (docs/mosaic_gpu.md, "240 registers")
+CONSUMER_REGISTERS = 240
+PRODUCER_REGISTERS = 24
 
 
 @dataclasses.dataclass(frozen=True)
