@@ -71,6 +71,10 @@
 #                                          # fwd+bwd beside per-tile scales and cuDNN BF16
 #   bash benchmarks/h200_mosaic.sh rowsheads # the same for head dims 64, 256 and 192/128
 #                                          # (GQA + segments), then causal stale beside matched
+#   bash benchmarks/h200_mosaic.sh regs   # consumers at 240 registers / producer 24 (the
+#                                          # default) against 232 / 40 at D=128, 256 and with
+#                                          # documents (spills, kernel split, bits), then
+#                                          # fwd+bwd end to end beside cuDNN BF16
 #   bash benchmarks/h200_mosaic.sh qprofile # Nsight Compute on the quantize pre-pass kernel
 #                                          # (memory throughput, registers, stalls, SASS hotspots;
 #                                          # QWARPS=8: at 8 warps per program)
@@ -395,8 +399,16 @@ dq128triton)
     --reps 3 --budget 135 --arms triton_fp8_matched,triton_fp8_matched_dq64 --out "$W"
   dq128_correctness 100 T4096_d64_64_causal
   ;;
+regs)
+  # the setmaxnreg split of every warp-specialized kernel: 240 / 24 (default) and 232 / 40
+  # (regs232), twice interleaved, where 2026-12-07 did not time it; then end to end
+  key_pass_variants 110 small_t8192_docs:1:default,regs232,default,regs232 \
+    d256:0:default,regs232,default,regs232 main:0:default,regs232
+  logged 150 attention python3 benchmarks/attention.py --shapes main --causal "${CAUSAL:-0}" \
+    --iters 5 --reps 3 --budget 120 --arms cudnn_bf16,mosaic_fp8_matched --out "$W"
+  ;;
 *)
-  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal|dq128e2e|dq128triton|unmasked" >&2
+  echo "usage: bash benchmarks/h200_mosaic.sh check|passes|step|levers|wide|headline|docs|dqkeys|dqwide|profile|gaps|order|qprofile|variants|early|rows|rowsheads|dq128|dq128causal|dq128e2e|dq128triton|unmasked|regs" >&2
   exit 2
   ;;
 esac
