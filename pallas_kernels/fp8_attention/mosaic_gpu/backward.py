@@ -307,14 +307,32 @@ def _accumulate(accs, a8, bt_ref, factor, interpret, a_smem):
     piece at a time, so a launch holds up to MAX_HEAD_DIM columns (``bt_ref``: the
     K-major operand, one row per accumulator column). Each column's sum is the one a
     launch of that piece alone forms. ``factor(shape)``: the tile's descale."""
-    out, lo = [], 0
-    for n, acc in enumerate(accs):
-        width = acc.shape[1]
-        b_ref = bt_ref.at[pl.ds(lo, width)].T if len(accs) > 1 else bt_ref.T
-        part = _register_dot(a8, b_ref, (TILE, width), interpret, a_smem, staged=n > 0)
+    out = []
+    for n, (acc, b_ref) in enumerate(zip(accs, _piece_operands(accs, bt_ref))):
+        part = _register_dot(a8, b_ref, (TILE, acc.shape[1]), interpret, a_smem, staged=n > 0)
         out.append(acc + part * factor(part.shape))
-        lo += width
     return tuple(out)
+
+
+def _piece_operands(accs, bt_ref):
+    """The B operand of each accumulator piece: its columns' rows of the K-major
+    ``bt_ref``, transposed (the whole of it for a single piece)."""
+    if len(accs) == 1:
+        return [bt_ref.T]
+    los = [sum(acc.shape[1] for acc in accs[:n]) for n in range(len(accs))]
+    return [bt_ref.at[pl.ds(lo, acc.shape[1])].T for lo, acc in zip(los, accs)]
+
+
+def _register_operands(refs, count: int, interpret: bool):
+    """The A-operand tiles ``refs`` of a pass's S and dP^ dots, the first ``count`` of them
+    loaded once into registers (the 8-bit operand layout, columns in order), the others
+    left in shared memory; Pallas' GPU interpreter reads shared memory only."""
+    if interpret:
+        return tuple(refs)
+    return tuple(
+        plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_8BIT) if n < count else ref
+        for n, ref in enumerate(refs)
+    )
 
 
 def _accumulate_chained(jobs, interpret, a_smems):
@@ -330,12 +348,8 @@ def _accumulate_chained(jobs, interpret, a_smems):
         if interpret:
             a_smems[j][...] = a8
             a8 = a_smems[j]
-        lo = 0
-        for acc in accs:
-            width = acc.shape[1]
-            b_ref = bt_ref.at[pl.ds(lo, width)].T if len(accs) > 1 else bt_ref.T
+        for acc, b_ref in zip(accs, _piece_operands(accs, bt_ref)):
             pieces.append((acc, a8, b_ref, factor))
-            lo += width
     if interpret:
         plgpu.commit_smem()
 
@@ -606,13 +620,11 @@ def query_pass(
             for n in range(len(copies)):
                 plgpu.barrier_wait(q_bars.at[n * WARPGROUPS + wg])
             lse2, delta, inv_q, inv_do, q_poison = (_row(rows_smem.at[n]) for n in range(ROWS))
-            # S's and dP^'s A operands: this warpgroup's Q and dO tiles from shared memory
-            # in every dot, or once into registers (as the key pass' K and V)
-            q_operand, do_operand = q_smem, do_smem
-            if operand_registers and not interpret:
-                q_operand = plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
-                if operand_registers == "qdo":
-                    do_operand = plgpu.load(do_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
+            # S's and dP^'s A operands: this warpgroup's Q and dO tiles, from shared memory
+            # in every dot or once into registers ("q": Q, "qdo": both)
+            q_operand, do_operand = _register_operands(
+                (q_smem, do_smem), ("", "q", "qdo").index(operand_registers), interpret
+            )
             q_seg = plgpu.load(qseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
             loaded = [k_bars, v_bars, aux_bars] + [kt_bars] * want_dq
             loaded += [seg_bars] * mask.segments
@@ -973,14 +985,11 @@ def key_pass(
             )
             inv_k, inv_v = _row(kvinv_smem.at[wg, 0]), _row(kvinv_smem.at[wg, 1])
             k_poison = _row(kvinv_smem.at[wg, 2])
-            # S^T's and dP^T's A operands: this warpgroup's K and V tiles, read from shared
-            # memory by every dot, or once into registers (the 8-bit operand layout, the
-            # columns in order); the interpreter takes them from shared memory only
-            k_operand, v_operand = k_smem, v_smem
-            if operand_registers and not interpret:
-                k_operand = plgpu.load(k_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
-                if operand_registers == "kv" and want_dk:
-                    v_operand = plgpu.load(v_smem, (), layout=plgpu.Layout.WGMMA_8BIT)
+            # S^T's and dP^T's A operands: this warpgroup's K and V tiles, from shared
+            # memory in every dot or once into registers ("k": K, "kv": both; V only
+            # where dP^T is formed)
+            in_registers = min(("", "k", "kv").index(operand_registers), 1 + want_dk)
+            k_operand, v_operand = _register_operands((k_smem, v_smem), in_registers, interpret)
             k_seg = plgpu.load(kseg_smem2.at[wg], (), layout=ROW) if mask.segments else None
             first, per_head = query_range(tiles_smem2.at[wg] if documents else None)
 
@@ -1031,9 +1040,10 @@ def key_pass(
                     p8 = p_operand(pt)
                 p8, ds8, amax, dk, dv_acc = turns.arrive((p8, ds8, amax, dk, dv_acc))
                 a_smem = a_smem2.at[wg, 0] if interpret else None
+                chain = chained and want_dk and want_dv  # dV's adds under dK's dots
                 if want_dv:
                     plgpu.barrier_wait(dot_bars.at[slot])
-                if chained and want_dk:  # both register dots' operands before either issues
+                if chain:  # both register dots' operands before either issues
                     plgpu.barrier_wait(qt_bars.at[slot])
                 turns.wait()
 
@@ -1043,7 +1053,7 @@ def key_pass(
                 def dk_scale(shape):  # dS^'s descale (for dK and dQ alike) and Q's
                     return (sm_scale / _scale(amax, shape)) * _rows(inv_q, shape)
 
-                if chained and want_dk and want_dv:  # dV's adds under dK's dots
+                if chain:
                     dv_acc, dk = _accumulate_chained(
                         [
                             (dv_acc, p8, dot_smem.at[slot], dv_scale),
@@ -1061,8 +1071,7 @@ def key_pass(
                     if not want_dk:
                         plgpu.barrier_arrive(free.at[slot])
                         return dk, dv_acc
-                    if not chained:
-                        plgpu.barrier_wait(qt_bars.at[slot])
+                    plgpu.barrier_wait(qt_bars.at[slot])
                     dk = _accumulate(dk, ds8, qt_smem.at[slot], dk_scale, interpret, a_smem)
                     plgpu.barrier_arrive(free.at[slot])
                 if want_dq:
