@@ -31,6 +31,10 @@
 #   bash benchmarks/h200_compile_speed.sh ffn ARM       # 569m unrolled, --ffn fp8 then bf16
 #   bash benchmarks/h200_compile_speed.sh statepass     # small, 300 steps, matched: sequential
 #                                                       # against pallas (loss and val curves)
+#   bash benchmarks/h200_compile_speed.sh ab ARM        # 569m unrolled at $SIZE: a base tree
+#                                                       # (this one with the files under .ab/
+#                                                       # put back, paths as in the repo), then
+#                                                       # this tree, then the base again
 # ARM: matched or cudnn_bf16. Summaries (summary.json, profile.json/.md) and logs go to $OUT.
 # Each run is stopped after RUN_TIMEOUT seconds (default 250: two runs fit one 9-minute call).
 set -u
@@ -185,8 +189,21 @@ statepass)
     cp "$R/small-300-matched-$pass/metrics.jsonl" "$OUT/small-300-matched-$pass.metrics.jsonl"
   done
   ;;
+ab)
+  # e.g. before and after a library change:
+  #   mkdir -p .ab/dm_jax/nn && git show BASE:dm_jax/nn/fp8.py > .ab/dm_jax/nn/fp8.py
+  [ -d .ab ] || { echo "ab: put the base's files under .ab/ first" >&2; exit 2; }
+  base=/tmp/ab-base
+  rm -rf "$base" && mkdir -p "$base" && cp -r . "$base" && cp -r .ab/. "$base"/
+  for tree in base new base2; do
+    dir=.
+    [ "$tree" = new ] || dir=$base
+    (cd "$dir" && run "$ARM-ab-$tree" $SIZE $QUIET --attention "$ARM" --compile-cache off \
+      --scan-layers off --skip-memory-check)
+  done
+  ;;
 *)
-  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan|fused|ffn ARM | memory SIZE | pairs T | long | statepass" >&2
+  echo "usage: $0 compile|fold|profile|unscanned|remat|gemm|families|scan|fused|ffn|ab ARM | memory SIZE | pairs T | long | statepass" >&2
   exit 2
   ;;
 esac

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dm_jax import jaxpr_walk
 from dm_jax.nn import fp8
+from dm_jax.nn.matmul import compute_dtype_matmul
 
 M, K, N = 48, 64, 40
 
@@ -121,3 +123,62 @@ def test_bf16_linear_weight_gradient_keeps_fp32_sums():
     want_dx = jnp.einsum("btn,kn->btk", dy32, w16, precision="highest")
     assert dx.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(dx, np.float32), want_dx, rtol=8e-3, atol=1e-3)
+
+
+def _dot_result_dtypes(closed_jaxpr) -> list:
+    return [
+        jnp.dtype(eqn.outvars[0].aval.dtype)
+        for eqn in jaxpr_walk.equations(closed_jaxpr)
+        if eqn.primitive.name == "dot_general"
+    ]
+
+
+@pytest.mark.parametrize("scaling", fp8.SCALINGS)
+def test_fp8_dot_writes_bf16_with_the_bits_of_the_fp32_result_cast(scaling):
+    """y in bf16 straight from the FP8 dot (and dx in x's bf16) holds the bits of the FP32
+    result cast to bf16: FP32 sums rounded once, the power-of-two scales exact."""
+    x, w = _inputs()
+    x = x.astype(jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(9), (M, N), jnp.bfloat16)
+    y16, vjp16 = jax.vjp(lambda x, w: fp8.fp8_matmul(x, w, scaling, jnp.bfloat16), x, w)
+    y32, vjp32 = jax.vjp(lambda x, w: fp8.fp8_matmul(x, w, scaling).astype(jnp.bfloat16), x, w)
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y16), np.asarray(y32))
+    for got, want in zip(vjp16(dy), vjp32(dy)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # the dots themselves write bf16 (y, dx) and FP32 (dW): no FP32 tensor of y or dx
+    grads = jax.make_jaxpr(
+        jax.grad(lambda x, w: fp8.fp8_matmul(x, w, scaling, jnp.bfloat16).sum(), (0, 1))
+    )(x, w)
+    assert _dot_result_dtypes(grads) == [jnp.bfloat16, jnp.bfloat16, jnp.float32]
+
+
+def test_bf16_matmul_writes_its_result_dtype_with_the_bits_of_the_fp32_result_cast():
+    x = jax.random.normal(jax.random.key(4), (2, 24, 48), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(5), (48, 40)) * 48**-0.5
+    dy = jax.random.normal(jax.random.key(6), (2, 24, 40), jnp.bfloat16)
+    bf16 = jnp.bfloat16
+    y16, vjp16 = jax.vjp(lambda x, w: compute_dtype_matmul(x, w, bf16, None, bf16), x, w)
+    y32, vjp32 = jax.vjp(lambda x, w: compute_dtype_matmul(x, w, bf16).astype(bf16), x, w)
+    assert y16.dtype == bf16
+    np.testing.assert_array_equal(np.asarray(y16), np.asarray(y32))
+    for got, want in zip(vjp16(dy), vjp32(dy)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_linear_layers_dots_write_the_layer_dtype_unless_a_bias_follows(use_fp8):
+    """A layer without bias has its dots write y and dx in bf16 (dW in FP32); with a bias,
+    y stays FP32 until the bias is added (one rounding, as before)."""
+    x = jax.random.normal(jax.random.key(7), (2, 8, 48), jnp.bfloat16)
+    for use_bias, y_dtype in ((False, jnp.bfloat16), (True, jnp.float32)):
+        lin = fp8.Linear(48, 32, fp8=use_fp8, use_bias=use_bias, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(lin)
+
+        def loss(params, x, graphdef=graphdef):
+            return jnp.sum(nnx.merge(graphdef, params)(x).astype(jnp.float32))
+
+        grads = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x)
+        assert _dot_result_dtypes(grads) == [y_dtype, jnp.bfloat16, jnp.float32], use_bias
+        assert lin(x).dtype == jnp.bfloat16

@@ -165,7 +165,12 @@ class HybridLM(nnx.Module):
         self.embed = nnx.Embed(V, d, embedding_init=jax.nn.initializers.normal(1.0), rngs=rngs)
         self.layers = nnx.List([Block(kind, config, rngs=rngs) for kind in config.pattern])
         self.final_norm = RMSNorm(d, eps=config.norm_eps)
-        self.head = None if config.tie_embeddings else Linear(d, V, dtype=self.dtype, rngs=rngs)
+        # untied: FP32 logits from FP32 sums, as the tied embedding's einsum gives them
+        self.head = (
+            None
+            if config.tie_embeddings
+            else Linear(d, V, dtype=self.dtype, out_dtype=jnp.float32, rngs=rngs)
+        )
 
     def __call__(
         self,

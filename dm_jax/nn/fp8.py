@@ -46,6 +46,7 @@ from dm_jax.nn.matmul import (
     check_last_against_first,
     compute_dtype_dot_general,
     compute_dtype_matmul,
+    dot_output_dtype,
 )
 
 FP8 = numerics.FP8_DTYPE
@@ -99,14 +100,17 @@ def check_scaling(scaling: str) -> str:
     return scaling
 
 
-def _scaled_dot(a8, sa, b8, sb, ca: int, cb: int) -> jax.Array:
-    """Decoded FP32 result of a plain FP8 dot of 2-D operands, contracting a's axis `ca`
-    with b's axis `cb`: (a8 . b8) / (s_a s_b) with each scale (size 1 along its contraction
-    axis) broadcast over the result's rows (a's free axis) or columns (b's free axis)."""
-    out = jax.lax.dot_general(
-        a8, b8, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32
-    )
-    return out / (sa.reshape(-1, 1) * sb.reshape(1, -1))
+def _scaled_dot(a8, sa, b8, sb, ca: int, cb: int, out_dtype=jnp.float32) -> jax.Array:
+    """Decoded result of a plain FP8 dot of 2-D operands, contracting a's axis `ca` with
+    b's axis `cb`: (a8 . b8) / (s_a s_b) with each scale (size 1 along its contraction
+    axis) broadcast over the result's rows (a's free axis) or columns (b's free axis), in
+    ``out_dtype``. The sums are FP32; a bf16 result is written by the dot itself, and
+    the power-of-two scales divide it exactly, so it holds the bits of the FP32 result
+    cast to bf16 (without the FP32 tensor in memory: `dot_output_dtype`)."""
+    dot_dtype = dot_output_dtype(out_dtype)
+    out = jax.lax.dot_general(a8, b8, (((ca,), (cb,)), ((), ())), preferred_element_type=dot_dtype)
+    scale = (sa.reshape(-1, 1) * sb.reshape(1, -1)).astype(dot_dtype)
+    return (out / scale).astype(out_dtype)
 
 
 def _quantized(x, axis, fmt_max=FP8_MAX, dtype=FP8):
@@ -115,35 +119,39 @@ def _quantized(x, axis, fmt_max=FP8_MAX, dtype=FP8):
     return quantize(x, s, dtype), s
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def fp8_matmul(x_MK: jax.Array, w_KN: jax.Array, scaling: str = "per_token") -> jax.Array:
-    """y_MN (float32) = x_MK @ w_KN with both operands in FP8 (current scales, `scaling`)."""
-    y, _ = _fp8_matmul_fwd(x_MK, w_KN, scaling)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def fp8_matmul(
+    x_MK: jax.Array, w_KN: jax.Array, scaling: str = "per_token", out_dtype=jnp.float32
+) -> jax.Array:
+    """y_MN = x_MK @ w_KN with both operands in FP8 (current scales, `scaling`), FP32 sums,
+    in ``out_dtype`` (float32 by default; bf16 has the bits of the float32 result cast)."""
+    y, _ = _fp8_matmul_fwd(x_MK, w_KN, scaling, out_dtype)
     return y
 
 
-def _fp8_matmul_fwd(x_MK, w_KN, scaling):
+def _fp8_matmul_fwd(x_MK, w_KN, scaling, out_dtype):
     ax = _AXES[check_scaling(scaling)]
     (x8, sx), (w8, sw) = _quantized(x_MK, ax.x_fwd), _quantized(w_KN, ax.w_fwd)
-    y = _scaled_dot(x8, sx, w8, sw, 1, 0)  # y = (x^ W^) / (s_x s_w), FP32 accumulate
+    y = _scaled_dot(x8, sx, w8, sw, 1, 0, out_dtype)  # y = (x^ W^) / (s_x s_w), FP32 sums
     # w itself is a parameter (held anyway): the backward re-quantizes it when dx needs
     # other scales. x_like carries x's dtype as an array.
     return y, (x8, sx, w8, sw, w_KN, jnp.zeros((0,), x_MK.dtype))
 
 
-def _fp8_matmul_bwd(scaling, res, dy_MN):
+def _fp8_matmul_bwd(scaling, out_dtype, res, dy_MN):
+    del out_dtype  # dy comes in y's dtype; its FP8 casts do not depend on it
     x8, sx, w8, sw, w_KN, x_like = res
     ax = _AXES[scaling]
     g8, sg = _quantized(dy_MN, ax.dy_dx, GRAD_FP8_MAX, GRAD_FP8)
     if ax.w_dx != ax.w_fwd:
         w8, sw = _quantized(w_KN, ax.w_dx)
-    dx = _scaled_dot(g8, sg, w8, sw, 1, 1)  # dx = dy^ W^^T
+    dx = _scaled_dot(g8, sg, w8, sw, 1, 1, x_like.dtype)  # dx = dy^ W^^T, in x's dtype
     if ax.dy_dw != ax.dy_dx:
         g8, sg = _quantized(dy_MN, ax.dy_dw, GRAD_FP8_MAX, GRAD_FP8)
     if ax.x_dw != ax.x_fwd:
         x8, sx = _quantized(numerics.dequantize(x8, sx), ax.x_dw)
     dw = _scaled_dot(x8, sx, g8, sg, 0, 0)  # dW = x^^T dy^
-    return dx.astype(x_like.dtype), dw.astype(w_KN.dtype)
+    return dx, dw.astype(w_KN.dtype)
 
 
 fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -179,13 +187,15 @@ def fp8_dot_general(
     preferred_element_type=None,
     *,
     scaling: str = "per_token",
+    out_dtype=jnp.float32,
     **kwargs,
 ) -> jax.Array:
     """`jax.lax.dot_general` as `nnx.Linear` calls it (x's last dim against w's first), with
-    both operands in FP8 (`fp8_matmul` with `scaling`); returns float32 [..., N]."""
-    del precision, preferred_element_type, kwargs  # FP32 accumulation, always
+    both operands in FP8 (`fp8_matmul` with `scaling`); returns [..., N] in ``out_dtype``
+    (float32 by default), FP32 accumulation always."""
+    del precision, preferred_element_type, kwargs
     check_last_against_first(x_XK, dimension_numbers, "the FP8 dot")
-    y_MN = fp8_matmul(x_XK.reshape(-1, x_XK.shape[-1]), w_KN, scaling)
+    y_MN = fp8_matmul(x_XK.reshape(-1, x_XK.shape[-1]), w_KN, scaling, out_dtype)
     return y_MN.reshape(*x_XK.shape[:-1], w_KN.shape[-1])
 
 
@@ -198,11 +208,12 @@ def _cast_input_only(args, *, dtype=None, inexact=True):
 
 
 class Linear(nnx.Linear):
-    """`nnx.Linear` (y = x @ W (+ b), weights stored in float32) whose output is in `dtype`
-    (bf16 by default), with the matmul in FP8 (current scaling, `fp8_dot_general`) when
-    `fp8=True`, otherwise in `dtype` with FP32 accumulation (the backward's dots too, dW
-    summed in FP32: `compute_dtype_matmul`). `fp8_scaling` picks the FP8
-    scale granularity (`SCALINGS`: "per_token" keeps every token's output its own).
+    """`nnx.Linear` (y = x @ W (+ b), weights stored in float32) whose output is in
+    `out_dtype` (default `dtype`, bf16 by default), with the matmul in FP8 (current
+    scaling, `fp8_dot_general`) when `fp8=True`, otherwise in `dtype` with FP32
+    accumulation (the backward's dots too, dW summed in FP32: `compute_dtype_matmul`).
+    `fp8_scaling` picks the FP8 scale granularity (`SCALINGS`: "per_token" keeps every
+    token's output its own). Without a bias the dot writes y in `out_dtype` itself.
 
     The kernel is initialized N(0, init_std^2), init_std defaulting to in_features^-1/2.
     """
@@ -216,6 +227,7 @@ class Linear(nnx.Linear):
         fp8_scaling: str = "per_token",
         use_bias: bool = False,
         dtype=jnp.bfloat16,
+        out_dtype=None,
         init_std: float | None = None,
         rngs: nnx.Rngs,
     ):
@@ -225,10 +237,16 @@ class Linear(nnx.Linear):
             )
         std = init_std if init_std is not None else in_features**-0.5
         # the kernel stays FP32 into either dot, which casts it itself: FP8 from FP32, or
-        # bf16 with the backward's dots in bf16 and dW's sums kept in FP32 (nn/matmul.py)
-        dot = compute_dtype_dot_general
+        # bf16 with the backward's dots in bf16 and dW's sums kept in FP32 (nn/matmul.py).
+        # Without a bias the dot writes y in `dtype` itself (the bits of its FP32 result
+        # cast, without that FP32 tensor in memory); a bias is added to the FP32 result.
+        out_dtype = jnp.dtype(dtype if out_dtype is None else out_dtype)
+        dot_out = jnp.float32 if use_bias else out_dtype
+        dot = functools.partial(compute_dtype_dot_general, out_dtype=dot_out)
         if fp8:
-            dot = functools.partial(fp8_dot_general, scaling=check_scaling(fp8_scaling))
+            dot = functools.partial(
+                fp8_dot_general, scaling=check_scaling(fp8_scaling), out_dtype=dot_out
+            )
         extra = dict(dot_general=dot, promote_dtype=_cast_input_only)
         super().__init__(
             in_features,
@@ -241,13 +259,13 @@ class Linear(nnx.Linear):
             rngs=rngs,
             **extra,
         )
-        self.fp8, self.fp8_scaling = fp8, fp8_scaling
+        self.fp8, self.fp8_scaling, self.out_dtype = fp8, fp8_scaling, out_dtype
 
     def __call__(self, x_XK: jax.Array) -> jax.Array:
         """x_XK [..., in_features] -> [..., out_features] in `dtype`."""
         if x_XK.shape[-1] != self.in_features:
             raise ValueError(f"x: expected last dim {self.in_features}, got shape {x_XK.shape}")
-        return super().__call__(x_XK).astype(self.dtype)
+        return super().__call__(x_XK).astype(self.out_dtype)
 
 
 def fused_linear(x_XK: jax.Array, linears) -> list[jax.Array]:
@@ -274,7 +292,7 @@ def fused_linear(x_XK: jax.Array, linears) -> list[jax.Array]:
         raise ValueError(f"x: expected last dim {first.in_features}, got shape {x_XK.shape}")
     kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1)  # FP32
     x = x_XK.astype(first.dtype)
-    y = compute_dtype_matmul(x, kernel, first.dtype, first.precision).astype(first.dtype)
+    y = compute_dtype_matmul(x, kernel, first.dtype, first.precision, first.dtype)
     return split_widths(y, [lin.out_features for lin in linears])
 
 
