@@ -8,7 +8,8 @@ For each case and delta mode, the backward under each of ``--scalings`` (SCALING
 ``rows``, ``NumericsTiles(ds_scale="rows")``: one power-of-two scale per query for dQ, per
 key for dK, over 64 x 64 tiles; ``tile``, ``ds_scale="tile"``: one per 64 x 64 tile;
 ``rows_k128``: rows over 64 x 128 tiles, ``bwd_block_k=128``, so dQ's per-query scales span
-128 keys), each against f32 attention (``benchmarks.correctness.f32_out_and_grads``)
+128 keys; ``rows_q128_k128``: rows over 128 x 128 tiles, so dK's per-key scales span 128
+queries too), each against f32 attention (``benchmarks.correctness.f32_out_and_grads``)
 under the same random dO: relative Frobenius and max errors of dQ, dK, dV. Cases: unit-normal inputs,
 and "spiky" ones whose queries and keys carry a few large rows (sharp attention rows, so
 the tile's amax is far above most of its rows'). Prints a table, writes ds_scale_errors.json.
@@ -34,6 +35,8 @@ SCALINGS = {  # name -> NumericsTiles fields changed from the head dims' default
     "rows": dict(ds_scale="rows", bwd_block_k=64),
     "tile": dict(ds_scale="tile", bwd_block_k=64),
     "rows_k128": dict(ds_scale="rows", bwd_block_k=128),
+    # dK's per-key scales over 128 queries too: what a key pass stepping 128 queries needs
+    "rows_q128_k128": dict(ds_scale="rows", bwd_block_q=128, bwd_block_k=128),
 }
 
 CASES = {  # name -> (b, t, hq, hkv, d, causal, spiky)

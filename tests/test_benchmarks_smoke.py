@@ -441,7 +441,8 @@ def test_ds_scale_errors_script_tiny(tmp_path, monkeypatch):
     argv = ["--implementation", "pallas_interpret", "--modes", "matched", "--out", str(tmp_path)]
     assert ds_scale_errors.main(argv) == 0
     rows = json.load(open(tmp_path / "ds_scale_errors.json"))["rows"]
-    assert [r["ds_scale"] for r in rows] == ["rows", "tile", "rows_k128"]
+    assert [r["ds_scale"] for r in rows] == ["rows", "tile", "rows_k128", "rows_q128_k128"]
     assert rows[0]["dv_fro"] == rows[1]["dv_fro"] == rows[2]["dv_fro"]
     assert rows[0]["dk_fro"] == rows[2]["dk_fro"]
+    assert rows[2]["dq_fro"] == rows[3]["dq_fro"]  # 128 queries per dK scale: dQ's unchanged
     assert all(0 < r[f] < 0.3 for r in rows for f in ("dq_fro", "dk_fro"))
