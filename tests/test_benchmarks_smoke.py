@@ -436,7 +436,8 @@ def test_key_pass_variants_patch_the_backward_only_inside_their_block():
 def test_ds_scale_errors_script_tiny(tmp_path, monkeypatch):
     """Every dS^ scaling on the Triton twin at a tiny causal GQA shape: dV equal (it comes
     before dS's cast), dK equal for per-row scales over 64 or 128 keys (its per-key scales
-    span the tile's 64 queries either way), dQ and dK at FP8 error against f32 for each."""
+    span the tile's 64 queries either way), dQ equal for dK scales over 64 or 128 queries,
+    dQ and dK at FP8 error against f32 for each."""
     monkeypatch.setattr(ds_scale_errors, "CASES", {"tiny": (1, 96, 2, 1, 64, True, True)})
     argv = ["--implementation", "pallas_interpret", "--modes", "matched", "--out", str(tmp_path)]
     assert ds_scale_errors.main(argv) == 0

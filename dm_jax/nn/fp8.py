@@ -238,8 +238,9 @@ class Linear(nnx.Linear):
         std = init_std if init_std is not None else in_features**-0.5
         # the kernel stays FP32 into either dot, which casts it itself: FP8 from FP32, or
         # bf16 with the backward's dots in bf16 and dW's sums kept in FP32 (nn/matmul.py).
-        # Without a bias the dot writes y in `dtype` itself (the bits of its FP32 result
-        # cast, without that FP32 tensor in memory); a bias is added to the FP32 result.
+        # Without a bias the dot writes y in `out_dtype` itself (the bits of its FP32
+        # result cast, without that FP32 tensor in memory); a bias is added to the FP32
+        # result.
         out_dtype = jnp.dtype(dtype if out_dtype is None else out_dtype)
         dot_out = jnp.float32 if use_bias else out_dtype
         dot = functools.partial(compute_dtype_dot_general, out_dtype=dot_out)
@@ -262,7 +263,7 @@ class Linear(nnx.Linear):
         self.fp8, self.fp8_scaling, self.out_dtype = fp8, fp8_scaling, out_dtype
 
     def __call__(self, x_XK: jax.Array) -> jax.Array:
-        """x_XK [..., in_features] -> [..., out_features] in `dtype`."""
+        """x_XK [..., in_features] -> [..., out_features] in `out_dtype`."""
         if x_XK.shape[-1] != self.in_features:
             raise ValueError(f"x: expected last dim {self.in_features}, got shape {x_XK.shape}")
         return super().__call__(x_XK).astype(self.out_dtype)
